@@ -438,7 +438,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             str, Tuple[Tuple[int, ...], Future[Dict[str, int]]]
         ] = {}
         self._ensure_retry_count: Dict[str, int] = {}
-        self._max_ensure_retries: int = 15  # scheduling cycles
+        self._max_ensure_retries: int = 15  # fetch attempts
         self._ensure_last_attempt_time: Dict[str, float] = {}
         self._ensure_retry_interval: float = 1.0  # seconds
         # Retracted requests staged for rebootstrap while generation is paused.
@@ -1183,11 +1183,26 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     ) -> Tuple[Dict[str, List[DecodeRequest]], List[DecodeRequest]]:
         """Non-blocking ensure parallel info for each addr.
         Returns (ready_addrs, remaining_reqs)."""
+        # A config mismatch found on the fetch thread is fatal. Raise it before
+        # the abort below can report it as retry exhaustion.
+        self.kv_manager.raise_parallel_info_error()
         ready: Dict[str, List[DecodeRequest]] = {}
         remaining: List[DecodeRequest] = []
 
         now = time.monotonic()
         for bootstrap_addr, reqs in addr_to_reqs.items():
+            # A fetch that landed since the last cycle is consumed now, not
+            # after the retry interval.
+            if self.kv_manager.has_parallel_info(bootstrap_addr):
+                self._clear_ensure_state(bootstrap_addr)
+                ready[bootstrap_addr] = reqs
+                continue
+
+            # Waiting for an outstanding fetch spends no attempt.
+            if self.kv_manager.parallel_info_fetch_in_flight(bootstrap_addr):
+                remaining.extend(reqs)
+                continue
+
             last_attempt = self._ensure_last_attempt_time.get(bootstrap_addr)
             if last_attempt is not None and (
                 now - last_attempt < self._ensure_retry_interval
@@ -1195,32 +1210,41 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 remaining.extend(reqs)
                 continue
 
-            self._ensure_last_attempt_time[bootstrap_addr] = now
-
-            if self.kv_manager.try_ensure_parallel_info(bootstrap_addr):
-                if bootstrap_addr in self._ensure_retry_count:
-                    del self._ensure_retry_count[bootstrap_addr]
-                if bootstrap_addr in self._ensure_last_attempt_time:
-                    del self._ensure_last_attempt_time[bootstrap_addr]
-                ready[bootstrap_addr] = reqs
-                continue
-
-            count = self._ensure_retry_count.get(bootstrap_addr, 0) + 1
-            self._ensure_retry_count[bootstrap_addr] = count
-
+            # Decide the abort before spending an attempt: no fetch is in
+            # flight here, so every attempt has finished.
+            count = self._ensure_retry_count.get(bootstrap_addr, 0)
             if count >= self._max_ensure_retries:
+                # The last fetch may have published since the check above.
+                if self.kv_manager.has_parallel_info(bootstrap_addr):
+                    self._clear_ensure_state(bootstrap_addr)
+                    ready[bootstrap_addr] = reqs
+                    continue
                 error_msg = f"Could not fetch prefill parallel info from {bootstrap_addr} after {count} attempts"
                 logger.error(error_msg)
+                failure_reason = (
+                    f"{error_msg}. Check that the prefill server is up and that "
+                    f"its bootstrap server at {bootstrap_addr} is reachable."
+                )
                 for decode_req in reqs:
                     # kv_receiver may be None from a prior self.queue cleanup
                     if decode_req.kv_receiver is not None:
-                        decode_req.kv_receiver.abort()
-                del self._ensure_retry_count[bootstrap_addr]
-                del self._ensure_last_attempt_time[bootstrap_addr]
+                        decode_req.kv_receiver.abort(failure_reason=failure_reason)
+                self._clear_ensure_state(bootstrap_addr)
+                continue
+
+            self._ensure_last_attempt_time[bootstrap_addr] = now
+            self._ensure_retry_count[bootstrap_addr] = count + 1
+            if self.kv_manager.try_ensure_parallel_info(bootstrap_addr):
+                self._clear_ensure_state(bootstrap_addr)
+                ready[bootstrap_addr] = reqs
             else:
                 remaining.extend(reqs)
 
         return ready, remaining
+
+    def _clear_ensure_state(self, bootstrap_addr: str) -> None:
+        self._ensure_retry_count.pop(bootstrap_addr, None)
+        self._ensure_last_attempt_time.pop(bootstrap_addr, None)
 
     def prefetch_prefill_dp_rank_queries(self) -> None:
         """Start DP-rank lookups before their normal consume point."""

@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
 
+# Decode-side parallel-info fetches in flight at once, one per prefill addr.
+PARALLEL_INFO_FETCH_WORKERS = 16
+
 
 # Reuse a keep-alive session per bootstrap_addr for decode-side bootstrap queries
 # so we don't open a fresh TCP connection per query (that churns short-lived
@@ -500,6 +503,18 @@ class CommonKVManager(BaseKVManager):
             ] = None
             self._prefill_recompute_executor_lock = threading.Lock()
             self._prefill_recompute_sessions = threading.local()
+            # Prefill parallel-info fetches run here, never on the scheduler
+            # thread: a bootstrap server that hangs must not stall decode.
+            # _parallel_info_inflight (mutated under connection_lock) keeps it
+            # to one outstanding fetch per bootstrap_addr.
+            self._parallel_info_executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=PARALLEL_INFO_FETCH_WORKERS,
+                thread_name_prefix="pd-parallel-info",
+            )
+            self._parallel_info_inflight: Set[str] = set()
+            # A config mismatch found on the fetch thread, re-raised on the
+            # scheduler thread by raise_parallel_info_error().
+            self._parallel_info_fatal: Optional[BaseException] = None
         else:
             raise ValueError(
                 f"Unsupported DisaggregationMode: {self.disaggregation_mode}"
@@ -1290,13 +1305,41 @@ class CommonKVManager(BaseKVManager):
                 f"PD retract rebootstrap /generate request errored for rid={rid}.",
             )
 
+    def has_parallel_info(self, bootstrap_addr: str) -> bool:
+        return bootstrap_addr in self.prefill_info_table
+
+    def parallel_info_fetch_in_flight(self, bootstrap_addr: str) -> bool:
+        # Read without the lock: a stale answer only costs a skipped cycle or
+        # one extra call that the locked re-check in try_ensure_parallel_info
+        # rejects.
+        return bootstrap_addr in self._parallel_info_inflight
+
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Single non-blocking attempt to fetch and cache prefill parallel info.
-        Returns True if info is available (cached or freshly fetched)."""
+        Returns True if info is cached. Otherwise submits at most one background
+        fetch per addr and returns False; callers retry on a later cycle."""
+        self.raise_parallel_info_error()
         if bootstrap_addr in self.prefill_info_table:
             return True
 
-        info: PrefillServerInfo = None
+        with self.connection_lock:
+            # Re-check under the lock: a fetch may have published since the
+            # unlocked check above.
+            if bootstrap_addr in self.prefill_info_table:
+                return True
+            if bootstrap_addr in self._parallel_info_inflight:
+                return False
+            self._parallel_info_inflight.add(bootstrap_addr)
+        self._parallel_info_executor.submit(self._publish_parallel_info, bootstrap_addr)
+        return False
+
+    def raise_parallel_info_error(self) -> None:
+        """Re-raise on the calling thread a config mismatch found by a
+        background fetch: it is fatal, as it was when the fetch ran inline."""
+        if self._parallel_info_fatal is not None:
+            raise self._parallel_info_fatal
+
+    def _fetch_parallel_info(self, bootstrap_addr: str) -> Optional[PrefillServerInfo]:
         try:
             url = (
                 f"http://{bootstrap_addr}/route?"
@@ -1306,17 +1349,17 @@ class CommonKVManager(BaseKVManager):
             response = requests.get(url, timeout=5)
             if response.status_code == 200:
                 data = response.json()
-                info = PrefillServerInfo(**data)
+                return PrefillServerInfo(**data)
             else:
                 logger.error(
                     f"Failed to get prefill server info: {response.status_code}, {response.text}"
                 )
-                return False
+                return None
         except Exception as e:
             logger.error(f"Error fetching prefill server info from bootstrap: {e}")
-            return False
+            return None
 
-        # Sanity checks
+    def _check_parallel_info(self, info: PrefillServerInfo) -> None:
         if info.page_size is not None and info.page_size != self.kv_args.page_size:
             raise RuntimeError(
                 f"Page size mismatch: prefill server has page_size={info.page_size}, "
@@ -1424,10 +1467,33 @@ class CommonKVManager(BaseKVManager):
                     "--enable-kv-cache-sharding."
                 )
 
-        self._resolve_rank_mapping(info)
-        self.prefill_info_table[bootstrap_addr] = info
-        logger.debug(f"Prefill parallel info for [{bootstrap_addr}]: {info}")
-        return True
+    def _publish_parallel_info(self, bootstrap_addr: str) -> None:
+        """Fetch-executor body: fetch, check and cache the parallel info of
+        ``bootstrap_addr``. Clears the in-flight marker in every outcome."""
+        checked_info = None
+        try:
+            info = self._fetch_parallel_info(bootstrap_addr)
+            if info is not None:
+                self._check_parallel_info(info)
+                self._resolve_rank_mapping(info)
+                checked_info = info
+        except Exception as e:
+            logger.error(
+                f"Prefill server [{bootstrap_addr}] is incompatible with this "
+                f"decode server: {e}"
+            )
+            self._parallel_info_fatal = e
+        finally:
+            with self.connection_lock:
+                # Publish and clear the marker together, so that no cycle sees
+                # neither and submits a second fetch.
+                if checked_info is not None:
+                    self.prefill_info_table[bootstrap_addr] = checked_info
+                self._parallel_info_inflight.discard(bootstrap_addr)
+        if checked_info is not None:
+            logger.debug(
+                f"Prefill parallel info for [{bootstrap_addr}]: {checked_info}"
+            )
 
     def _resolve_rank_mapping(self, info: PrefillServerInfo) -> None:
         """Compute TP/CP/PP rank mapping and store on the PrefillServerInfo object.
@@ -2952,12 +3018,14 @@ class CommonKVReceiver(BaseKVReceiver):
             is_from_another_rank=failure_reason is None,
         )
 
-    def abort(self):
+    def abort(self, failure_reason: Optional[str] = None):
         if not self._owns_bootstrap_room:
             self.conclude_state = KVPoll.Failed
             return
         if self.conclude_state != KVPoll.Failed:
-            self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
+            self.kv_mgr.record_failure(
+                self.bootstrap_room, failure_reason or "Aborted by AbortReq."
+            )
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             self.conclude_state = KVPoll.Failed
         self.ensure_abort_notified()
