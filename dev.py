@@ -1,0 +1,441 @@
+#!/usr/bin/env python3
+"""Developer entry point (stdlib only; run with any ``python3``).
+
+    python3 dev.py test [PYTEST ARGS...]
+        Ensure the cached env, install this checkout's patch into it, run pytest.
+    python3 dev.py side-by-side SCRIPT [ARGS...]
+        Run SCRIPT once against stock sglang 0.5.23 and once against the patched
+        files, each in its own process, in the same cached env.
+
+The env is a venv at ``$SGLANG_PD_PATCH_CACHE/venv`` (default
+``~/.cache/sglang-pd-patch``), shared by every clone on the machine. It holds the
+packages pinned in ``requirements/env.txt`` and is updated (``pip install -r``)
+whenever that file's sha256 differs from ``venv/.requirements.sha256``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+REQUIREMENTS = REPO / "requirements" / "env.txt"
+STAMP_NAME = ".requirements.sha256"
+CACHE_ENV = "SGLANG_PD_PATCH_CACHE"
+LOCK_HELD_ENV = "SGLANG_PD_PATCH_LOCK_HELD"
+VARIANTS = ("stock", "patched")
+UNIT_TESTS = "test/registered/unit/disaggregation"
+TOOL_TESTS = "tests"
+PYTHON_VERSION = (3, 11)
+# The patch's own tree in sglang (excluded from the variant source fingerprint).
+PATCH_FILES = (
+    "common/conn.py",
+    "decode.py",
+    "nixl/conn.py",
+    "mooncake/conn.py",
+    "mori/conn.py",
+)
+
+
+def log(msg: str) -> None:
+    print(f"[dev] {msg}", flush=True)
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "sglang-pd-patch"
+    return Path(os.environ.get(CACHE_ENV) or default).expanduser().resolve()
+
+
+def venv_dir(cache: Path) -> Path:
+    return cache / "venv"
+
+
+def venv_python(cache: Path) -> Path:
+    return venv_dir(cache) / "bin" / "python"
+
+
+def requirements_sha() -> str:
+    return hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+
+
+def pinned_requirements() -> dict[str, str]:
+    pins = {}
+    for line in REQUIREMENTS.read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pins[name.strip()] = version.strip()
+    return pins
+
+
+@contextlib.contextmanager
+def cache_lock(cache: Path):
+    """Exclusive fcntl lock on ``<cache>/.lock``; re-entrant for our children."""
+    cache.mkdir(parents=True, exist_ok=True)
+    if os.environ.get(LOCK_HELD_ENV) == str(cache):
+        yield
+        return
+    with open(cache / ".lock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another run holding {cache / '.lock'} ...")
+            start = time.monotonic()
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            log(f"got the lock after {time.monotonic() - start:.1f} s")
+        os.environ[LOCK_HELD_ENV] = str(cache)
+        try:
+            yield
+        finally:
+            os.environ.pop(LOCK_HELD_ENV, None)
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+_PROBE = """
+import importlib.metadata as md, json, sys
+pins = json.loads(sys.argv[1])
+bad = []
+for name, want in pins.items():
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        have = None
+    if have != want:
+        bad.append(f"{name}=={want} (found {have})")
+print("; ".join(bad))
+sys.exit(1 if bad else 0)
+"""
+
+
+def probe_env(cache: Path) -> tuple[str, str]:
+    """("ok" | "outdated" | "broken", detail)."""
+    python = venv_python(cache)
+    if not python.exists():
+        return "broken", f"{python} does not exist"
+    try:
+        proc = subprocess.run(
+            [str(python), "-c", _PROBE, json.dumps(pinned_requirements())],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return "broken", f"{python} does not run: {exc}"
+    if proc.returncode == 0:
+        return "ok", ""
+    if proc.returncode == 1 and proc.stdout.strip():
+        return "outdated", proc.stdout.strip()
+    return "broken", (proc.stderr or proc.stdout).strip()[-500:]
+
+
+def _base_python() -> str:
+    if sys.version_info[:2] == PYTHON_VERSION:
+        return sys.executable
+    name = "python%d.%d" % PYTHON_VERSION
+    found = shutil.which(name)
+    if not found:
+        raise SystemExit(f"[dev] need {name} to create the env (sglang wheel is cp311)")
+    return found
+
+
+def _run(cmd: list[str], **kwargs) -> int:
+    log("$ " + " ".join(str(c) for c in cmd))
+    return subprocess.run(
+        [str(c) for c in cmd], stdin=subprocess.DEVNULL, **kwargs
+    ).returncode
+
+
+def _pip_install(cache: Path) -> bool:
+    cmd = [venv_python(cache), "-m", "pip", "install", "--disable-pip-version-check"]
+    return _run(cmd + ["-r", REQUIREMENTS]) == 0
+
+
+def _create_env(cache: Path) -> None:
+    venv = venv_dir(cache)
+    if venv.exists() or venv.is_symlink():
+        log(f"removing unusable env {venv}")
+        shutil.rmtree(venv, ignore_errors=True)
+    if _run([_base_python(), "-m", "venv", venv]) != 0:
+        raise SystemExit(f"[dev] cannot create a venv at {venv}")
+    if not _pip_install(cache):
+        raise SystemExit(f"[dev] pip install -r {REQUIREMENTS} failed in {venv}")
+
+
+def ensure_env_locked(cache: Path) -> Path:
+    """Make the cached env match requirements/env.txt (caller holds the lock)."""
+    start = time.monotonic()
+    venv = venv_dir(cache)
+    stamp = venv / STAMP_NAME
+    want = requirements_sha()
+    state, detail = probe_env(cache)
+    have = stamp.read_text().strip() if stamp.is_file() else None
+    if state == "broken":
+        log(f"env {venv}: missing or unusable ({detail}); building it (takes minutes)")
+        with contextlib.suppress(FileNotFoundError):
+            stamp.unlink()
+        _create_env(cache)
+    elif state == "outdated" or have != want:
+        why = detail or (
+            f"no stamp {stamp.name}" if have is None else "requirements/env.txt changed"
+        )
+        log(f"env {venv}: updating ({why})")
+        with contextlib.suppress(FileNotFoundError):
+            stamp.unlink()
+        if not _pip_install(cache):
+            log("pip install -r failed in the existing env; rebuilding it from scratch")
+            _create_env(cache)
+    else:
+        log(f"env {venv}: up to date")
+    state, detail = probe_env(cache)
+    if state != "ok":
+        raise SystemExit(f"[dev] env {venv} still not usable after install: {detail}")
+    stamp.write_text(want + "\n")  # last: only a complete env gets the stamp
+    log(f"env ready in {time.monotonic() - start:.1f} s")
+    return venv_python(cache)
+
+
+def tool_env(extra: dict[str, str] | None = None, path: list[Path] = ()) -> dict:
+    env = dict(os.environ)
+    entries = [str(p) for p in path] + [str(REPO)]
+    if env.get("PYTHONPATH"):
+        entries.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(entries)
+    env.update(extra or {})
+    return env
+
+
+def manifest_version() -> str:
+    data = json.loads((REPO / "sglang_pd_patch" / "manifest.json").read_text())
+    return data["sglang_version"]
+
+
+def install_patch_locked(python: Path, cache: Path) -> None:
+    """Install this checkout's patch into the env (upgrades other builds)."""
+    start = time.monotonic()
+    cmd = [python, "-m", "sglang_pd_patch", "install"]
+    rc = _run(cmd, env=tool_env())
+    if rc == 2:  # refused: sglang files changed by something else. Our env: repair.
+        log("sglang in the cached env is not as expected; reinstalling it with pip")
+        pip = [python, "-m", "pip", "install", "--disable-pip-version-check"]
+        fix = ["--force-reinstall", "--no-deps", f"sglang=={manifest_version()}"]
+        if _run(pip + fix) == 0:
+            rc = _run(cmd, env=tool_env())
+    if rc != 0:
+        raise SystemExit(f"[dev] installing the patch into {cache} failed (rc={rc})")
+    log(f"patch installed in {time.monotonic() - start:.1f} s")
+
+
+def cmd_test(pytest_args: list[str]) -> int:
+    cache = cache_dir()
+    start = time.monotonic()
+    with cache_lock(cache):
+        python = ensure_env_locked(cache)
+        install_patch_locked(python, cache)
+        paths = [p for p in (UNIT_TESTS, TOOL_TESTS) if (REPO / p).is_dir()]
+        if not (REPO / UNIT_TESTS).is_dir():
+            log(f"{UNIT_TESTS}/ does not exist yet: skipped")
+        test_start = time.monotonic()
+        rc = _run(
+            [python, "-m", "pytest", "-q", *paths, *pytest_args],
+            cwd=REPO,
+            env=tool_env(),
+        )
+    if rc == 5:
+        log("pytest collected no tests: failing")
+    log(
+        f"pytest exit code {rc}; tests took {time.monotonic() - test_start:.1f} s, "
+        f"whole command {time.monotonic() - start:.1f} s"
+    )
+    return rc
+
+
+# --------------------------------------------------------------------------- #
+# side-by-side
+# --------------------------------------------------------------------------- #
+
+
+def site_packages(cache: Path) -> Path:
+    found = sorted(venv_dir(cache).glob("lib/python3.*/site-packages"))
+    if not found:
+        raise SystemExit(f"[dev] no site-packages in {venv_dir(cache)}")
+    return found[-1]
+
+
+def source_fingerprint(src: Path) -> str:
+    """Hash of the sglang tree, ignoring bytecode and what our tool manages."""
+    skip = {f"srt/disaggregation/{rel}" for rel in PATCH_FILES}
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("__pycache__", ".sglang_pd_patch")
+        )
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            rel = path.relative_to(src).as_posix()
+            if rel in skip:
+                continue
+            st = path.lstat()
+            digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, symlinks=True)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+
+
+def _prepare_variant(
+    python: Path, src: Path, variant: str, fingerprint: str, cache: Path
+) -> Path:
+    """``<cache>/variants/<variant>`` holding an sglang/ copy in that state."""
+    vdir = cache / "variants" / variant
+    dst = vdir / "sglang"
+    stamp = vdir / ".source-fingerprint"
+    action = "uninstall" if variant == "stock" else "install"
+    for attempt in (1, 2):
+        fresh = False
+        if (
+            attempt == 2
+            or not dst.is_dir()
+            or (not stamp.is_file() or stamp.read_text().strip() != fingerprint)
+        ):
+            start = time.monotonic()
+            vdir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                stamp.unlink()
+            _copy_tree(src, dst)
+            stamp.write_text(fingerprint + "\n")
+            fresh = True
+            log(f"variant {variant}: copied {src} ({time.monotonic() - start:.1f} s)")
+        proc = subprocess.run(
+            [str(python), "-m", "sglang_pd_patch", action, "--sglang-dir", str(dst)],
+            env=tool_env(),
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        if proc.returncode == 0:
+            log(f"variant {variant}: ready at {dst}")
+            return vdir
+        log(f"variant {variant}: `{action}` failed (rc={proc.returncode}):")
+        print(proc.stdout + proc.stderr, flush=True)
+        if fresh:
+            break
+    raise SystemExit(f"[dev] cannot prepare the {variant} variant in {vdir}")
+
+
+# Runs in the child: check where sglang resolves (without importing it), then run
+# the script as __main__, then check again what was actually imported.
+_BOOT = """
+import atexit, importlib.util, os, runpy, sys
+vdir = os.path.realpath(os.environ["SGLANG_PD_VARIANT_DIR"]) + os.sep
+def _check(path, what):
+    if not os.path.realpath(path or "").startswith(vdir):
+        sys.stderr.write(f"side-by-side: {what} is {path}, not under {vdir}\\n")
+        os._exit(97)
+spec = importlib.util.find_spec("sglang")
+_check(spec and spec.origin, "sglang resolves to")
+def _after():
+    mod = sys.modules.get("sglang")
+    if mod is not None:
+        _check(getattr(mod, "__file__", None), "sglang.__file__")
+atexit.register(_after)
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@dataclasses.dataclass
+class VariantRun:
+    variant: str
+    returncode: int
+    output: str
+    seconds: float
+
+
+def side_by_side(
+    script: str | os.PathLike,
+    args: list[str] = (),
+    cache: Path | None = None,
+    echo: bool = True,
+) -> dict[str, VariantRun]:
+    """Run ``script`` against stock and patched sglang (in that order), each in its
+    own process of the cached env's Python; returns the runs by variant name.
+
+    Child env: ``PYTHONPATH=<variant dir>:<repo>``, ``SGLANG_PD_VARIANT`` and
+    ``SGLANG_PD_VARIANT_DIR``; processes it spawns inherit them.
+    """
+    cache = cache or cache_dir()
+    script = Path(script).resolve()
+    runs = {}
+    with cache_lock(cache):
+        python = ensure_env_locked(cache)
+        src = site_packages(cache) / "sglang"
+        fingerprint = source_fingerprint(src)
+        vdirs = {
+            v: _prepare_variant(python, src, v, fingerprint, cache) for v in VARIANTS
+        }
+        for variant in VARIANTS:
+            env = tool_env(
+                {
+                    "SGLANG_PD_VARIANT": variant,
+                    "SGLANG_PD_VARIANT_DIR": str(vdirs[variant]),
+                },
+                path=[vdirs[variant]],
+            )
+            if echo:
+                print(f"===== {variant} =====", flush=True)
+            start = time.monotonic()
+            proc = subprocess.Popen(
+                [str(python), "-c", _BOOT, str(script), *map(str, args)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+            )
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if echo:
+                    print(f"[{variant}] {line}", end="", flush=True)
+            rc = proc.wait()
+            seconds = time.monotonic() - start
+            runs[variant] = VariantRun(variant, rc, "".join(lines), seconds)
+            if echo:
+                print(f"===== {variant}: exit {rc}, {seconds:.1f} s =====", flush=True)
+    return runs
+
+
+USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
+       python3 dev.py side-by-side SCRIPT [ARGS...]"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["test"]:
+        return cmd_test(argv[1:])
+    if argv[:1] == ["side-by-side"] and len(argv) >= 2:
+        runs = side_by_side(argv[1], argv[2:])
+        return 0 if all(r.returncode == 0 for r in runs.values()) else 1
+    print(USAGE, file=sys.stderr)
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
