@@ -25,7 +25,6 @@ import logging
 import random
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -366,6 +365,8 @@ class DecodeRequest:
     metadata_buffer_index: int = -1
     is_rebootstrap: bool = False
     host_staged: bool = False
+    # Set once pending resolution knows it, so a later cycle does not ask again.
+    prefill_dp_rank: Optional[int] = None
 
     # HiCache Status
     prefix_match: Optional[DecodePrefixMatch] = None
@@ -433,10 +434,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self.queue: List[DecodeRequest] = []
         self.retracted_queue: List[Req] = []
         self.pending_reqs: List[DecodeRequest] = []
-        # In-flight authoritative room -> DP-rank lookups, consumed below.
-        self._prefill_dp_rank_queries: Dict[
-            str, Tuple[Tuple[int, ...], Future[Dict[str, int]]]
-        ] = {}
+        # Retry bookkeeping of the background bootstrap fetches, keyed by addr
+        # for parallel info, ("dp_ranks", addr) and ("routes", addr, dp_rank).
         self._ensure_retry_count: Dict[str, int] = {}
         self._max_ensure_retries: int = 15  # fetch attempts
         self._ensure_last_attempt_time: Dict[str, float] = {}
@@ -851,7 +850,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             # Fast path: cache-only lookup, no network calls
             prefill_dp_rank = self._resolve_prefill_dp_rank(req)
             logger.debug(f"prefill_dp_rank: {prefill_dp_rank}")
-            if prefill_dp_rank is not None:
+            if prefill_dp_rank is not None and self.kv_manager.has_bootstrap_infos(
+                _bootstrap_addr(req), prefill_dp_rank
+            ):
                 self._init_receiver(decode_req, prefill_dp_rank)
                 return
 
@@ -1002,7 +1003,6 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             self.add(req, is_retracted=is_retracted)
 
     def release_memory_occupation(self):
-        self._cancel_prefill_dp_rank_queries()
         self.queue.clear()
         for req in self.retracted_queue:
             discard_kv_cache_backup(
@@ -1186,24 +1186,42 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         # A config mismatch found on the fetch thread is fatal. Raise it before
         # the abort below can report it as retry exhaustion.
         self.kv_manager.raise_parallel_info_error()
-        ready: Dict[str, List[DecodeRequest]] = {}
+        return self._ensure_fetched(
+            addr_to_reqs,
+            has=self.kv_manager.has_parallel_info,
+            in_flight=self.kv_manager.parallel_info_fetch_in_flight,
+            try_fetch=self.kv_manager.try_ensure_parallel_info,
+            describe=lambda addr: f"prefill parallel info from {addr}",
+        )
+
+    def _ensure_fetched(
+        self,
+        key_to_reqs: Dict[Any, List[DecodeRequest]],
+        has: Callable[[Any], bool],
+        in_flight: Callable[[Any], bool],
+        try_fetch: Callable[[Any], bool],
+        describe: Callable[[Any], str],
+    ) -> Tuple[Dict[Any, List[DecodeRequest]], List[DecodeRequest]]:
+        """Retry bookkeeping shared by the background bootstrap fetches (see
+        CommonKVManager._try_ensure_fetched). Returns (ready, remaining)."""
+        ready: Dict[Any, List[DecodeRequest]] = {}
         remaining: List[DecodeRequest] = []
 
         now = time.monotonic()
-        for bootstrap_addr, reqs in addr_to_reqs.items():
+        for key, reqs in key_to_reqs.items():
             # A fetch that landed since the last cycle is consumed now, not
             # after the retry interval.
-            if self.kv_manager.has_parallel_info(bootstrap_addr):
-                self._clear_ensure_state(bootstrap_addr)
-                ready[bootstrap_addr] = reqs
+            if has(key):
+                self._clear_ensure_state(key)
+                ready[key] = reqs
                 continue
 
             # Waiting for an outstanding fetch spends no attempt.
-            if self.kv_manager.parallel_info_fetch_in_flight(bootstrap_addr):
+            if in_flight(key):
                 remaining.extend(reqs)
                 continue
 
-            last_attempt = self._ensure_last_attempt_time.get(bootstrap_addr)
+            last_attempt = self._ensure_last_attempt_time.get(key)
             if last_attempt is not None and (
                 now - last_attempt < self._ensure_retry_interval
             ):
@@ -1212,86 +1230,48 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
             # Decide the abort before spending an attempt: no fetch is in
             # flight here, so every attempt has finished.
-            count = self._ensure_retry_count.get(bootstrap_addr, 0)
+            count = self._ensure_retry_count.get(key, 0)
             if count >= self._max_ensure_retries:
                 # The last fetch may have published since the check above.
-                if self.kv_manager.has_parallel_info(bootstrap_addr):
-                    self._clear_ensure_state(bootstrap_addr)
-                    ready[bootstrap_addr] = reqs
+                if has(key):
+                    self._clear_ensure_state(key)
+                    ready[key] = reqs
                     continue
-                error_msg = f"Could not fetch prefill parallel info from {bootstrap_addr} after {count} attempts"
+                error_msg = f"Could not fetch {describe(key)} after {count} attempts"
                 logger.error(error_msg)
                 failure_reason = (
                     f"{error_msg}. Check that the prefill server is up and that "
-                    f"its bootstrap server at {bootstrap_addr} is reachable."
+                    f"its bootstrap server is reachable from this decode server."
                 )
                 for decode_req in reqs:
                     # kv_receiver may be None from a prior self.queue cleanup
                     if decode_req.kv_receiver is not None:
                         decode_req.kv_receiver.abort(failure_reason=failure_reason)
-                self._clear_ensure_state(bootstrap_addr)
+                self._clear_ensure_state(key)
                 continue
 
-            self._ensure_last_attempt_time[bootstrap_addr] = now
-            self._ensure_retry_count[bootstrap_addr] = count + 1
-            if self.kv_manager.try_ensure_parallel_info(bootstrap_addr):
-                self._clear_ensure_state(bootstrap_addr)
-                ready[bootstrap_addr] = reqs
+            self._ensure_last_attempt_time[key] = now
+            self._ensure_retry_count[key] = count + 1
+            if try_fetch(key):
+                self._clear_ensure_state(key)
+                ready[key] = reqs
             else:
                 remaining.extend(reqs)
 
         return ready, remaining
 
-    def _clear_ensure_state(self, bootstrap_addr: str) -> None:
-        self._ensure_retry_count.pop(bootstrap_addr, None)
-        self._ensure_last_attempt_time.pop(bootstrap_addr, None)
-
-    def prefetch_prefill_dp_rank_queries(self) -> None:
-        """Start DP-rank lookups before their normal consume point."""
-        if not self.pending_reqs:
-            return
-
-        queries = self._prefill_dp_rank_queries
-
-        addr_to_reqs: Dict[str, List[DecodeRequest]] = {}
-        for decode_req in self.pending_reqs:
-            addr = _bootstrap_addr(decode_req.req)
-            addr_to_reqs.setdefault(addr, []).append(decode_req)
-
-        for bootstrap_addr in set(queries) - set(addr_to_reqs):
-            _, stale_future = queries.pop(bootstrap_addr)
-            stale_future.cancel()
-
-        for bootstrap_addr, decode_reqs in addr_to_reqs.items():
-            if bootstrap_addr in queries:
-                continue
-            if self.kv_manager.prefill_info_table.get(bootstrap_addr) is None:
-                continue
-
-            rooms = tuple(
-                decode_req.req.bootstrap_room
-                for decode_req in decode_reqs
-                if self._resolve_prefill_dp_rank(decode_req.req) is None
-            )
-            if not rooms:
-                continue
-
-            future = self.kv_manager._ensure_prefill_recompute_executor().submit(
-                CommonKVReceiver.query_prefill_dp_ranks,
-                bootstrap_addr,
-                list(rooms),
-            )
-            queries[bootstrap_addr] = (rooms, future)
-
-    def _cancel_prefill_dp_rank_queries(self) -> None:
-        for _, future in self._prefill_dp_rank_queries.values():
-            future.cancel()
-        self._prefill_dp_rank_queries.clear()
+    def _clear_ensure_state(self, key) -> None:
+        """Drop the retry bookkeeping of an addr (parallel info) or of a
+        ("dp_ranks", ...) / ("routes", ...) key."""
+        self._ensure_retry_count.pop(key, None)
+        self._ensure_last_attempt_time.pop(key, None)
 
     def _resolve_pending_reqs(self) -> None:
-        """Batch-resolve prefill_dp_ranks for pending requests and initialize receivers."""
+        """Batch-resolve prefill_dp_ranks for pending requests and initialize receivers.
+
+        Each pass only reads caches and starts background fetches on the kv
+        manager; a request whose answer has not landed stays pending."""
         if not self.pending_reqs:
-            self._cancel_prefill_dp_rank_queries()
             return
 
         # Group pending requests by bootstrap_addr
@@ -1304,55 +1284,81 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         ready_addrs, remaining = self._ensure_prefill_info(addr_to_reqs)
 
         resolved: List[Tuple[DecodeRequest, int]] = []
+        need_query: Dict[Tuple[str, str], List[DecodeRequest]] = {}
         for bootstrap_addr, decode_reqs in ready_addrs.items():
-            need_query: List[DecodeRequest] = []
             for decode_req in decode_reqs:
-                prefill_dp_rank = self._resolve_prefill_dp_rank(decode_req.req)
+                prefill_dp_rank = decode_req.prefill_dp_rank
+                if prefill_dp_rank is None:
+                    prefill_dp_rank = self._resolve_prefill_dp_rank(decode_req.req)
                 if prefill_dp_rank is not None:
                     resolved.append((decode_req, prefill_dp_rank))
                 else:
-                    need_query.append(decode_req)
+                    key = ("dp_ranks", bootstrap_addr)
+                    need_query.setdefault(key, []).append(decode_req)
 
-            # Pass 2: resolve dp rank for addrs whose info is available
-            if need_query:
-                rooms = [decode_req.req.bootstrap_room for decode_req in need_query]
-                prefetched = self._prefill_dp_rank_queries.pop(bootstrap_addr, None)
-                prefetched_rooms = prefetched[0] if prefetched is not None else ()
-                if (
-                    prefetched is not None
-                    and tuple(rooms[: len(prefetched_rooms)]) == prefetched_rooms
-                ):
-                    room_to_rank = prefetched[1].result()
-                    remaining_rooms = rooms[len(prefetched_rooms) :]
-                    if remaining_rooms:
-                        room_to_rank.update(
-                            CommonKVReceiver.query_prefill_dp_ranks(
-                                bootstrap_addr, remaining_rooms
-                            )
-                        )
+        # Pass 2: resolve dp rank for addrs whose info is available
+        answered, waiting = self._ensure_fetched(
+            need_query,
+            has=lambda key: self.kv_manager.has_prefill_dp_ranks(key[1]),
+            in_flight=lambda key: self.kv_manager.prefill_dp_rank_query_in_flight(
+                key[1]
+            ),
+            try_fetch=lambda key: self.kv_manager.try_query_prefill_dp_ranks(
+                key[1], [r.req.bootstrap_room for r in need_query[key]]
+            ),
+            describe=lambda key: f"prefill dp ranks from {key[1]}",
+        )
+        remaining.extend(waiting)
+        for (_, bootstrap_addr), decode_reqs in answered.items():
+            room_to_rank = self.kv_manager.pop_prefill_dp_ranks(bootstrap_addr)
+            for decode_req in decode_reqs:
+                prefill_dp_rank = room_to_rank.get(str(decode_req.req.bootstrap_room))
+                if prefill_dp_rank is not None:
+                    resolved.append((decode_req, int(prefill_dp_rank)))
                 else:
-                    if prefetched is not None:
-                        prefetched[1].cancel()
-                    room_to_rank = CommonKVReceiver.query_prefill_dp_ranks(
-                        bootstrap_addr, rooms
-                    )
-                for decode_req in need_query:
-                    prefill_dp_rank = room_to_rank.get(
-                        str(decode_req.req.bootstrap_room)
-                    )
-                    if prefill_dp_rank is not None:
-                        resolved.append((decode_req, int(prefill_dp_rank)))
-                    else:
-                        remaining.append(decode_req)
-            else:
-                prefetched = self._prefill_dp_rank_queries.pop(bootstrap_addr, None)
-                if prefetched is not None:
-                    prefetched[1].cancel()
+                    # Not registered on the prefill yet: ask again next cycle.
+                    remaining.append(decode_req)
 
+        # Pass 3: fetch the per-rank routes that receiver.init() reads
+        need_routes: Dict[Tuple[str, str, int], List[DecodeRequest]] = {}
+        for decode_req, prefill_dp_rank in resolved:
+            decode_req.prefill_dp_rank = prefill_dp_rank
+            key = ("routes", _bootstrap_addr(decode_req.req), prefill_dp_rank)
+            need_routes.setdefault(key, []).append(decode_req)
+        routed, waiting = self._ensure_fetched(
+            need_routes,
+            has=lambda key: self.kv_manager.has_bootstrap_infos(key[1], key[2]),
+            in_flight=lambda key: self.kv_manager.bootstrap_infos_fetch_in_flight(
+                key[1], key[2]
+            ),
+            try_fetch=lambda key: self._try_ensure_bootstrap_infos(
+                need_routes[key], key[2]
+            ),
+            describe=lambda key: (
+                f"bootstrap info for prefill_dp_rank {key[2]} from {key[1]}"
+            ),
+        )
+        remaining.extend(waiting)
         self.pending_reqs = remaining
 
-        for decode_req, prefill_dp_rank in resolved:
-            self._init_receiver(decode_req, prefill_dp_rank)
+        for (_, bootstrap_addr, prefill_dp_rank), decode_reqs in routed.items():
+            for decode_req in decode_reqs:
+                # An init earlier in this loop may have invalidated the routes.
+                if self.kv_manager.has_bootstrap_infos(bootstrap_addr, prefill_dp_rank):
+                    self._init_receiver(decode_req, prefill_dp_rank)
+                else:
+                    self.pending_reqs.append(decode_req)
+
+    def _try_ensure_bootstrap_infos(
+        self, decode_reqs: List[DecodeRequest], prefill_dp_rank: int
+    ) -> bool:
+        for decode_req in decode_reqs:
+            # kv_receiver may be None from a prior self.queue cleanup
+            if decode_req.kv_receiver is not None:
+                return self.kv_manager.try_ensure_bootstrap_infos(
+                    decode_req.kv_receiver, prefill_dp_rank
+                )
+        return False
 
     def pop_preallocated(
         self,
@@ -3151,10 +3157,6 @@ class SchedulerDisaggregationDecodeMixin:
             if self.gracefully_exit:
                 break
 
-            # Pending rooms from the prior cycle can overlap request intake and
-            # the tail of the in-flight decode graph.
-            if not self._engine_paused:
-                self.disagg_decode_prealloc_queue.prefetch_prefill_dp_rank_queries()
             # Receive requests
             self.ingest_requests()
             if self._engine_paused:
@@ -3198,10 +3200,6 @@ class SchedulerDisaggregationDecodeMixin:
             if self.gracefully_exit:
                 break
 
-            # Pending rooms from the prior cycle can overlap request intake and
-            # the tail of the in-flight decode graph.
-            if not self._engine_paused:
-                self.disagg_decode_prealloc_queue.prefetch_prefill_dp_rank_queries()
             # Receive requests
             self.ingest_requests()
             if self._engine_paused:

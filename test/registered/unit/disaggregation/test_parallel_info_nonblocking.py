@@ -8,6 +8,7 @@ drives the retry interval.
 
 import threading
 import unittest
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from unittest import mock
@@ -110,7 +111,18 @@ def make_manager() -> CommonKVManager:
     mgr.request_status = {}
     mgr.required_prefill_response_num_table = {}
     mgr.prefill_response_tracker = {}
-    mgr.addr_to_rooms_tracker = {}
+    mgr.addr_to_rooms_tracker = defaultdict(set)
+    # Route / dp-rank fetches and heartbeat eviction.
+    mgr.connection_pool = {}
+    mgr._fetched_bootstrap_infos = {}
+    mgr._bootstrap_infos_inflight = set()
+    mgr._prefill_dp_rank_answers = {}
+    mgr._prefill_dp_rank_inflight = set()
+    mgr.heartbeat_failures = {}
+    mgr._deferred_ack_targets = {}
+    mgr._deferred_ack_poisoned_rooms = set()
+    mgr._staging_outstanding = defaultdict(int)
+    mgr.enable_staging = False
     return mgr
 
 
@@ -423,7 +435,7 @@ class TestAbortCarriesTheCause(_Base):
         receiver.conclude_state = None
         receiver.abort_notified = False
         self.mgr.request_status[room] = KVPoll.Bootstrapping
-        self.mgr.addr_to_rooms_tracker.setdefault(ADDR, set()).add(room)
+        self.mgr.addr_to_rooms_tracker[ADDR].add(room)
         return receiver
 
     def test_failure_exception_names_the_prefill_and_the_cause(self):

@@ -3,12 +3,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections import defaultdict
 from contextlib import nullcontext
 from typing import (
+    Any,
+    Callable,
     Dict,
     List,
     Literal,
@@ -75,8 +78,10 @@ logger = logging.getLogger(__name__)
 ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
 
-# Decode-side parallel-info fetches in flight at once, one per prefill addr.
-PARALLEL_INFO_FETCH_WORKERS = 16
+# Decode-side bootstrap queries run on a fetch executor, at most one per key.
+# A hung prefill keeps only its own queries waiting, so size the pool well
+# above the number of prefills that can hang at once.
+BOOTSTRAP_FETCH_WORKERS = 64
 
 
 # Reuse a keep-alive session per bootstrap_addr for decode-side bootstrap queries
@@ -101,6 +106,13 @@ def _get_bootstrap_session(bootstrap_addr: str) -> requests.Session:
         )
         sessions[bootstrap_addr] = session
     return session
+
+
+def get_bootstrap_key(
+    bootstrap_addr: str, prefill_dp_rank: int, target_cp_rank: int, target_tp_rank
+) -> str:
+    """connection_pool key of the routes to one prefill (dp, cp, tp) rank."""
+    return f"{bootstrap_addr}_{prefill_dp_rank}_{target_cp_rank}_{target_tp_rank}"
 
 
 class KVTransferError(Exception):
@@ -315,6 +327,10 @@ class CommonKVManager(BaseKVManager):
     DEFAULT_PREFILL_FAILURE_REASON = (
         "Failed to get kvcache from prefill instance, it might be dead"
     )
+    # Bumped per bootstrap_addr when the heartbeat marks its prefill failed, so
+    # that a fetch already in flight does not republish what it got before.
+    # Replaced on write, never mutated in place (this default is shared).
+    _prefill_epochs: Dict[str, int] = {}
 
     def __init__(
         self,
@@ -503,18 +519,25 @@ class CommonKVManager(BaseKVManager):
             ] = None
             self._prefill_recompute_executor_lock = threading.Lock()
             self._prefill_recompute_sessions = threading.local()
-            # Prefill parallel-info fetches run here, never on the scheduler
-            # thread: a bootstrap server that hangs must not stall decode.
-            # _parallel_info_inflight (mutated under connection_lock) keeps it
-            # to one outstanding fetch per bootstrap_addr.
+            # Bootstrap queries (parallel info, dp ranks, routes) run here,
+            # never on the scheduler thread: a bootstrap server that hangs must
+            # not stall decode. The in-flight sets (mutated under
+            # connection_lock) keep it to one outstanding query per key.
             self._parallel_info_executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=PARALLEL_INFO_FETCH_WORKERS,
-                thread_name_prefix="pd-parallel-info",
+                max_workers=BOOTSTRAP_FETCH_WORKERS,
+                thread_name_prefix="pd-bootstrap-fetch",
             )
             self._parallel_info_inflight: Set[str] = set()
             # A config mismatch found on the fetch thread, re-raised on the
             # scheduler thread by raise_parallel_info_error().
             self._parallel_info_fatal: Optional[BaseException] = None
+            # Routes fetched per connection_pool key, by (target_tp_rank,
+            # target_pp_rank), for CommonKVReceiver._setup_bootstrap_infos.
+            self._fetched_bootstrap_infos: Dict[str, Dict[Tuple[int, int], dict]] = {}
+            self._bootstrap_infos_inflight: Set[str] = set()
+            # Answers of /query_dp_ranks by bootstrap_addr, not yet consumed.
+            self._prefill_dp_rank_answers: Dict[str, Dict[str, int]] = {}
+            self._prefill_dp_rank_inflight: Set[str] = set()
         else:
             raise ValueError(
                 f"Unsupported DisaggregationMode: {self.disaggregation_mode}"
@@ -1318,20 +1341,83 @@ class CommonKVManager(BaseKVManager):
         """Single non-blocking attempt to fetch and cache prefill parallel info.
         Returns True if info is cached. Otherwise submits at most one background
         fetch per addr and returns False; callers retry on a later cycle."""
+        return self._try_ensure_fetched(
+            self.prefill_info_table,
+            self._parallel_info_inflight,
+            bootstrap_addr,
+            bootstrap_addr,
+            functools.partial(self._publish_parallel_info, bootstrap_addr),
+        )
+
+    def _try_ensure_fetched(
+        self,
+        table: Dict,
+        inflight: Set,
+        key,
+        bootstrap_addr: str,
+        publish: Callable[[Optional[int]], None],
+    ) -> bool:
+        """Cache lookup plus at most one background fetch per key, shared by
+        every bootstrap query of the decode scheduler. ``publish(epoch)`` runs
+        on the fetch executor and must end in ``_run_fetch``."""
         self.raise_parallel_info_error()
-        if bootstrap_addr in self.prefill_info_table:
+        if key in table:
             return True
 
         with self.connection_lock:
             # Re-check under the lock: a fetch may have published since the
             # unlocked check above.
-            if bootstrap_addr in self.prefill_info_table:
+            if key in table:
                 return True
-            if bootstrap_addr in self._parallel_info_inflight:
+            if key in inflight:
                 return False
-            self._parallel_info_inflight.add(bootstrap_addr)
-        self._parallel_info_executor.submit(self._publish_parallel_info, bootstrap_addr)
+            inflight.add(key)
+            epoch = self._prefill_epochs.get(bootstrap_addr, 0)
+        self._parallel_info_executor.submit(publish, epoch)
         return False
+
+    def _run_fetch(
+        self,
+        table: Dict,
+        inflight: Set,
+        key,
+        bootstrap_addr: str,
+        epoch: Optional[int],
+        fetch: Callable[[], Any],
+    ) -> Any:
+        """Fetch-executor body: run ``fetch``; under connection_lock, publish a
+        non-None result into ``table`` and clear the in-flight marker in every
+        outcome. A result for a prefill that the heartbeat evicted after the
+        fetch was submitted (its epoch moved) is dropped, not republished."""
+        result = None
+        try:
+            result = fetch()
+        except Exception as e:
+            # Inline, this raised on the scheduler thread and stopped the
+            # engine; keep it fatal there (see raise_parallel_info_error).
+            logger.error(
+                f"Prefill server [{bootstrap_addr}] is incompatible with this "
+                f"decode server: {e}"
+            )
+            self._parallel_info_fatal = e
+        finally:
+            with self.connection_lock:
+                if result is not None and epoch not in (
+                    None,
+                    self._prefill_epochs.get(bootstrap_addr, 0),
+                ):
+                    logger.info(
+                        f"Dropping a bootstrap answer from [{bootstrap_addr}] "
+                        f"fetched before the prefill was marked failed; the next "
+                        f"request fetches it again."
+                    )
+                    result = None
+                # Publish and clear the marker together, so that no cycle sees
+                # neither and submits a second fetch.
+                if result is not None:
+                    table[key] = result
+                inflight.discard(key)
+        return result
 
     def raise_parallel_info_error(self) -> None:
         """Re-raise on the calling thread a config mismatch found by a
@@ -1467,33 +1553,170 @@ class CommonKVManager(BaseKVManager):
                     "--enable-kv-cache-sharding."
                 )
 
-    def _publish_parallel_info(self, bootstrap_addr: str) -> None:
+    def _publish_parallel_info(
+        self, bootstrap_addr: str, epoch: Optional[int] = None
+    ) -> None:
         """Fetch-executor body: fetch, check and cache the parallel info of
         ``bootstrap_addr``. Clears the in-flight marker in every outcome."""
-        checked_info = None
-        try:
+
+        def fetch() -> Optional[PrefillServerInfo]:
             info = self._fetch_parallel_info(bootstrap_addr)
             if info is not None:
                 self._check_parallel_info(info)
                 self._resolve_rank_mapping(info)
-                checked_info = info
-        except Exception as e:
-            logger.error(
-                f"Prefill server [{bootstrap_addr}] is incompatible with this "
-                f"decode server: {e}"
+            return info
+
+        info = self._run_fetch(
+            self.prefill_info_table,
+            self._parallel_info_inflight,
+            bootstrap_addr,
+            bootstrap_addr,
+            epoch,
+            fetch,
+        )
+        if info is not None:
+            logger.debug(f"Prefill parallel info for [{bootstrap_addr}]: {info}")
+
+    def _bootstrap_keys(
+        self, bootstrap_addr: str, prefill_dp_rank: int
+    ) -> List[Tuple[str, int]]:
+        """(connection_pool key, target_cp_rank) of every route a receiver of
+        (addr, dp rank) reads. Empty when the parallel info is gone: init()
+        then fails the request without touching the network."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        if info is None:
+            return []
+        return [
+            (
+                get_bootstrap_key(
+                    bootstrap_addr, prefill_dp_rank, target_cp_rank, info.target_tp_rank
+                ),
+                target_cp_rank,
             )
-            self._parallel_info_fatal = e
-        finally:
-            with self.connection_lock:
-                # Publish and clear the marker together, so that no cycle sees
-                # neither and submits a second fetch.
-                if checked_info is not None:
-                    self.prefill_info_table[bootstrap_addr] = checked_info
-                self._parallel_info_inflight.discard(bootstrap_addr)
-        if checked_info is not None:
-            logger.debug(
-                f"Prefill parallel info for [{bootstrap_addr}]: {checked_info}"
+            for target_cp_rank in info.target_cp_ranks
+        ]
+
+    def has_bootstrap_infos(self, bootstrap_addr: str, prefill_dp_rank: int) -> bool:
+        return all(
+            key in self.connection_pool or key in self._fetched_bootstrap_infos
+            for key, _ in self._bootstrap_keys(bootstrap_addr, prefill_dp_rank)
+        )
+
+    def bootstrap_infos_fetch_in_flight(
+        self, bootstrap_addr: str, prefill_dp_rank: int
+    ) -> bool:
+        return any(
+            key in self._bootstrap_infos_inflight
+            for key, _ in self._bootstrap_keys(bootstrap_addr, prefill_dp_rank)
+        )
+
+    def try_ensure_bootstrap_infos(
+        self, receiver: CommonKVReceiver, prefill_dp_rank: int
+    ) -> bool:
+        """Like try_ensure_parallel_info, for the per-rank routes that
+        ``receiver.init(prefill_dp_rank)`` reads: True once all are cached,
+        otherwise at most one background fetch per connection_pool key."""
+        bootstrap_addr = receiver.bootstrap_addr
+        info = self.prefill_info_table.get(bootstrap_addr)
+        ready = True
+        for key, target_cp_rank in self._bootstrap_keys(
+            bootstrap_addr, prefill_dp_rank
+        ):
+            if key in self.connection_pool:
+                continue
+            ready &= self._try_ensure_fetched(
+                self._fetched_bootstrap_infos,
+                self._bootstrap_infos_inflight,
+                key,
+                bootstrap_addr,
+                functools.partial(
+                    self._publish_bootstrap_infos,
+                    receiver,
+                    info,
+                    prefill_dp_rank,
+                    target_cp_rank,
+                    key,
+                ),
             )
+        return ready
+
+    def _publish_bootstrap_infos(
+        self,
+        receiver: CommonKVReceiver,
+        info: PrefillServerInfo,
+        prefill_dp_rank: int,
+        target_cp_rank: int,
+        key: str,
+        epoch: Optional[int],
+    ) -> None:
+        def fetch() -> Optional[Dict[Tuple[int, int], dict]]:
+            infos = {}
+            for target_tp_rank in info.target_tp_ranks:
+                for target_pp_rank in reversed(info.target_pp_ranks):
+                    bootstrap_info = receiver._get_bootstrap_info_from_server(
+                        prefill_dp_rank, target_cp_rank, target_tp_rank, target_pp_rank
+                    )
+                    if bootstrap_info is None:
+                        return None
+                    infos[(target_tp_rank, target_pp_rank)] = bootstrap_info
+            return infos
+
+        self._run_fetch(
+            self._fetched_bootstrap_infos,
+            self._bootstrap_infos_inflight,
+            key,
+            receiver.bootstrap_addr,
+            epoch,
+            fetch,
+        )
+
+    def has_prefill_dp_ranks(self, bootstrap_addr: str) -> bool:
+        return bootstrap_addr in self._prefill_dp_rank_answers
+
+    def prefill_dp_rank_query_in_flight(self, bootstrap_addr: str) -> bool:
+        return bootstrap_addr in self._prefill_dp_rank_inflight
+
+    def try_query_prefill_dp_ranks(
+        self, bootstrap_addr: str, bootstrap_rooms: List[int]
+    ) -> bool:
+        """True if an answer is waiting (take it with pop_prefill_dp_ranks);
+        otherwise starts at most one background query per addr."""
+        return self._try_ensure_fetched(
+            self._prefill_dp_rank_answers,
+            self._prefill_dp_rank_inflight,
+            bootstrap_addr,
+            bootstrap_addr,
+            functools.partial(
+                self._publish_prefill_dp_ranks, bootstrap_addr, list(bootstrap_rooms)
+            ),
+        )
+
+    def pop_prefill_dp_ranks(self, bootstrap_addr: str) -> Dict[str, int]:
+        with self.connection_lock:
+            return self._prefill_dp_rank_answers.pop(bootstrap_addr, {})
+
+    def _publish_prefill_dp_ranks(
+        self, bootstrap_addr: str, bootstrap_rooms: List[int], epoch: Optional[int]
+    ) -> None:
+        self._run_fetch(
+            self._prefill_dp_rank_answers,
+            self._prefill_dp_rank_inflight,
+            bootstrap_addr,
+            bootstrap_addr,
+            epoch,
+            functools.partial(
+                CommonKVReceiver._query_prefill_dp_ranks,
+                bootstrap_addr,
+                bootstrap_rooms,
+            ),
+        )
+
+    def _stop_bootstrap_fetches(self) -> None:
+        """Teardown never waits on a bootstrap query: queued ones are
+        cancelled, a running one is not joined (its HTTP timeout bounds it)."""
+        executor = getattr(self, "_parallel_info_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def _resolve_rank_mapping(self, info: PrefillServerInfo) -> None:
         """Compute TP/CP/PP rank mapping and store on the PrefillServerInfo object.
@@ -2126,8 +2349,11 @@ class CommonKVManager(BaseKVManager):
     def _handle_node_failure(self, failed_bootstrap_addr: str):
         """Handle failure of a prefill node."""
         with self.connection_lock:
+            # Keys are "{addr}_{dp}_{cp}_{tp}": match the separator too, or the
+            # failure of host:80 would evict host:8080's routes.
+            key_prefix = f"{failed_bootstrap_addr}_"
             keys_to_remove = [
-                k for k in self.connection_pool if k.startswith(failed_bootstrap_addr)
+                k for k in self.connection_pool if k.startswith(key_prefix)
             ]
             # Collect TCP endpoints from cached bootstrap_infos before deletion
             stale_endpoints = set()
@@ -2141,6 +2367,15 @@ class CommonKVManager(BaseKVManager):
             for k in keys_to_remove:
                 del self.connection_pool[k]
             self.prefill_info_table.pop(failed_bootstrap_addr, None)
+            for k in list(self._fetched_bootstrap_infos):
+                if k.startswith(key_prefix):
+                    del self._fetched_bootstrap_infos[k]
+            self._prefill_dp_rank_answers.pop(failed_bootstrap_addr, None)
+            epoch = self._prefill_epochs.get(failed_bootstrap_addr, 0) + 1
+            self._prefill_epochs = {
+                **self._prefill_epochs,
+                failed_bootstrap_addr: epoch,
+            }
             # A prefill that a later request reaches again starts with no
             # misses; a kept count would drop it at its first missed heartbeat.
             self.heartbeat_failures.pop(failed_bootstrap_addr, None)
@@ -2681,7 +2916,12 @@ class CommonKVReceiver(BaseKVReceiver):
         all_bootstrap_infos = []
         # NOTE: key distinguished by bootstrap_addr, prefill_dp_rank, prefill_cp_rank, and target_tp_rank
         for target_cp_rank in self.target_cp_ranks:
-            bootstrap_key = f"{self.bootstrap_addr}_{self.prefill_dp_rank}_{target_cp_rank}_{self.target_tp_rank}"
+            bootstrap_key = get_bootstrap_key(
+                self.bootstrap_addr,
+                self.prefill_dp_rank,
+                target_cp_rank,
+                self.target_tp_rank,
+            )
 
             with self.kv_mgr.connection_lock:
                 cached_bootstrap_infos = self.kv_mgr.connection_pool.get(bootstrap_key)
@@ -2691,11 +2931,8 @@ class CommonKVReceiver(BaseKVReceiver):
                 for target_tp_rank in self.target_tp_ranks:
                     # Enable higher PP ranks to be bootstrapped earlier to make PP PD requests bootstrap more robust
                     for target_pp_rank in reversed(self.target_pp_ranks):
-                        bootstrap_info = self._get_bootstrap_info_from_server(
-                            self.prefill_dp_rank,
-                            target_cp_rank,
-                            target_tp_rank,
-                            target_pp_rank,
+                        bootstrap_info = self._get_fetched_bootstrap_info(
+                            bootstrap_key, target_tp_rank, target_pp_rank
                         )
                         if bootstrap_info is not None:
                             if self.kv_mgr.is_mla_backend:
@@ -2756,7 +2993,21 @@ class CommonKVReceiver(BaseKVReceiver):
             for bootstrap_key, bootstrap_infos in self._connection_pool_entries.items():
                 if self.kv_mgr.connection_pool.get(bootstrap_key) is bootstrap_infos:
                     del self.kv_mgr.connection_pool[bootstrap_key]
+                # The next request fetches the routes again, as it did inline.
+                self.kv_mgr._fetched_bootstrap_infos.pop(bootstrap_key, None)
             self._connection_pool_entries.clear()
+
+    def _get_fetched_bootstrap_info(
+        self, bootstrap_key: str, target_tp_rank: int, target_pp_rank: int
+    ) -> Optional[dict]:
+        """The route that CommonKVManager.try_ensure_bootstrap_infos fetched in
+        the background; None if it is gone (the prefill was marked failed
+        since). Runs on the scheduler thread, so it never touches the network."""
+        with self.kv_mgr.connection_lock:
+            infos = self.kv_mgr._fetched_bootstrap_infos.get(bootstrap_key) or {}
+            bootstrap_info = infos.get((target_tp_rank, target_pp_rank))
+        # A copy: the caller marks is_dummy on it.
+        return dict(bootstrap_info) if bootstrap_info is not None else None
 
     def _get_bootstrap_info_from_server(
         self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank
@@ -2783,6 +3034,17 @@ class CommonKVReceiver(BaseKVReceiver):
         bootstrap_addr: str, bootstrap_rooms: List[int]
     ) -> Dict[str, int]:
         """Batch query prefill dp_ranks for given bootstrap_rooms."""
+        return (
+            CommonKVReceiver._query_prefill_dp_ranks(bootstrap_addr, bootstrap_rooms)
+            or {}
+        )
+
+    @staticmethod
+    def _query_prefill_dp_ranks(
+        bootstrap_addr: str, bootstrap_rooms: List[int]
+    ) -> Optional[Dict[str, int]]:
+        """Like query_prefill_dp_ranks, but None when there is no valid answer,
+        so a failed query is told apart from rooms not registered yet."""
         try:
             url = f"http://{bootstrap_addr}/query_dp_ranks"
             response = _get_bootstrap_session(bootstrap_addr).post(
@@ -2791,15 +3053,21 @@ class CommonKVReceiver(BaseKVReceiver):
                 timeout=5,
             )
             if response.status_code == 200:
-                return response.json()
+                room_to_rank = response.json()
+                if isinstance(room_to_rank, dict) and all(
+                    isinstance(rank, int) for rank in room_to_rank.values()
+                ):
+                    return room_to_rank
+                logger.error(f"Malformed dp_ranks answer: {response.text[:200]}")
+                return None
             else:
                 logger.error(
                     f"Failed to query dp_ranks: {response.status_code}, {response.text}"
                 )
-                return {}
+                return None
         except Exception as e:
             logger.error(f"Error querying dp_ranks from bootstrap: {e}")
-            return {}
+            return None
 
     @classmethod
     def _connect(cls, endpoint: str, is_ipv6: bool = False):

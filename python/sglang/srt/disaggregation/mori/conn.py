@@ -1049,6 +1049,7 @@ class MoriKVManager(CommonKVManager):
         here; only mori-side registrations / sockets / engine are released.
         """
         self._stopped = True
+        self._stop_bootstrap_fetches()
         # Transfer workers (PREFILL role) park in FastQueue.get(), which has no
         # timeout; push a None sentinel per shard to wake and stop them so the
         # join below returns instead of leaking the thread.
