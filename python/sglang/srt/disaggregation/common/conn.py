@@ -314,6 +314,13 @@ class CommonKVManager(BaseKVManager):
     # Sender reports transfer_latency_s (first enqueue -> Success). Otherwise
     # the metric keeps its last-chunk fallback, so dashboards do not move.
     reports_transfer_latency: bool = False
+    # Set by teardown() to stop the worker threads, decode listener included.
+    _stopped: bool = False
+    # Bad decode control messages (see handle_decode_message): how many, and
+    # when one was last logged, at most once per interval.
+    BAD_DECODE_MSG_LOG_INTERVAL_S = 30.0
+    _bad_decode_msgs: int = 0
+    _bad_decode_msg_logged_at: float = float("-inf")
 
     kv_layout: Optional[str] = None
     dsv41_spec_layout: Optional[dict] = None
@@ -801,16 +808,12 @@ class CommonKVManager(BaseKVManager):
                 return None
             msg = msg[1:]
         if len(msg) < 3:
-            logger.warning(
-                "Dropping malformed prefill status message with %d frames", len(msg)
-            )
             return None
         try:
             bootstrap_room = int(msg[0].decode("ascii"))
             status = int(msg[1].decode("ascii"))
             prefill_rank = int(msg[2].decode("ascii"))
         except (UnicodeDecodeError, ValueError):
-            logger.warning("Dropping unparsable prefill status message")
             return None
         failure_reason = (
             msg[3].decode("utf-8", errors="replace")
@@ -1013,6 +1016,94 @@ class CommonKVManager(BaseKVManager):
             bootstrap_room,
             prefill_rank,
         )
+
+    def decode_message_handlers(self) -> Dict[bytes, Callable[[List[bytes]], object]]:
+        """Decode control messages by their tag frame. A backend adds its own
+        (aux data, staging requests) to these; the KV status message is matched
+        by parse_kv_status_message instead, as it may be untagged."""
+        return {
+            b"CHUNK_READY": self.handle_chunk_ready,
+            ABORT_ACK_TAG: self.handle_abort_ack_message,
+        }
+
+    def handle_decode_message(
+        self,
+        msg: List[bytes],
+        handlers: Dict[bytes, Callable[[List[bytes]], object]],
+    ) -> None:
+        """Apply one prefill->decode control message. Never raises: the listener
+        must outlive a bad message, or every later status for this decode
+        instance is lost and its requests hang until they time out."""
+        try:
+            handler = handlers.get(msg[0]) if msg else None
+            if handler is not None:
+                handler(msg)
+                return
+            parsed = self.parse_kv_status_message(msg)
+            if parsed is None:
+                self._report_bad_decode_message("Dropped an unrecognized", msg)
+                return
+            room, status, prefill_rank, reason = parsed
+            self.apply_prefill_status(
+                bootstrap_room=room,
+                status=status,
+                prefill_rank=prefill_rank,
+                failure_reason=reason,
+            )
+        except Exception:
+            self._report_bad_decode_message("Failed to handle a", msg, exc_info=True)
+
+    def _report_bad_decode_message(
+        self, what: str, msg: List[bytes], exc_info: bool = False
+    ) -> None:
+        # Tag and size only: a payload can be large (aux data) and a peer that
+        # keeps sending bad messages must not flood the log.
+        self._bad_decode_msgs += 1
+        now = time.monotonic()
+        if now - self._bad_decode_msg_logged_at < self.BAD_DECODE_MSG_LOG_INTERVAL_S:
+            return
+        self._bad_decode_msg_logged_at = now
+        logger.warning(
+            "%s decode control message (tag %r, %d frames, %d bytes); %d bad "
+            "message(s) so far, logged at most every %.0f s. The listener goes "
+            "on. Check that prefill and decode run the same SGLang version, "
+            "transfer backend and staging settings.",
+            what,
+            msg[0][:32] if msg else b"",
+            len(msg),
+            sum(len(frame) for frame in msg),
+            self._bad_decode_msgs,
+            self.BAD_DECODE_MSG_LOG_INTERVAL_S,
+            exc_info=exc_info,
+        )
+
+    def _start_decode_listener_thread(self) -> threading.Thread:
+        """Start the decode thread that applies prefill control messages from
+        server_socket. teardown() stops it by setting _stopped, which recv
+        observes when --enable-pd-role-switch makes it poll (_make_worker_recv)."""
+        recv = self._make_worker_recv(self.server_socket)
+        handlers = self.decode_message_handlers()
+
+        def decode_listener_thread():
+            while not self._stopped:
+                try:
+                    msg = recv()
+                except zmq.ZMQError:
+                    if not self._stopped:
+                        logger.exception(
+                            "Decode control listener stopped: server_socket failed. "
+                            "Prefill KV status is no longer received, so transfers "
+                            "to this decode instance time out; restart it."
+                        )
+                    return
+                if msg is not None:
+                    self.handle_decode_message(msg, handlers)
+
+        t = threading.Thread(
+            target=decode_listener_thread, name="pd-decode-listener", daemon=True
+        )
+        t.start()
+        return t
 
     def register_deferred_abort_room(self, bootstrap_room: int) -> int:
         """Arm a new generation for a held room and return its wire id."""

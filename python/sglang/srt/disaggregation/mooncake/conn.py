@@ -3038,43 +3038,16 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         t.start()
         self._worker_threads.append(t)
 
+    def decode_message_handlers(self):
+        handlers = super().decode_message_handlers()
+        handlers[MooncakeKVManager.AUX_DATA_HEADER] = self._handle_aux_data
+        if self.enable_staging:
+            # Prefill pre-requests staging allocation before its forward.
+            handlers[b"STAGING_REQ"] = self._handle_staging_req
+        return handlers
+
     def start_decode_thread(self):
-        recv = self._make_worker_recv(self.server_socket)
-
-        def decode_thread():
-            while not self._stopped:
-                msg = recv()
-                if msg is None:
-                    continue
-                if msg[0] == MooncakeKVManager.AUX_DATA_HEADER:
-                    self._handle_aux_data(msg)
-                    continue
-
-                # Staging: prefill notifies a chunk written to staging buffer
-                if self.handle_chunk_ready(msg):
-                    continue
-
-                # Staging: prefill pre-requests staging allocation before forward
-                if msg[0] == b"STAGING_REQ":
-                    self._handle_staging_req(msg)
-                    continue
-
-                if self.handle_abort_ack_message(msg):
-                    continue
-
-                parsed = self.parse_kv_status_message(msg)
-                if parsed is None:
-                    continue
-                room, status, prefill_rank, reason = parsed
-                self.apply_prefill_status(
-                    bootstrap_room=room,
-                    status=status,
-                    prefill_rank=prefill_rank,
-                    failure_reason=reason,
-                )
-
-        t = threading.Thread(target=decode_thread, daemon=True)
-        t.start()
+        t = self._start_decode_listener_thread()
         self._worker_threads.append(t)
         t = self._start_heartbeat_checker_thread()
         self._worker_threads.append(t)

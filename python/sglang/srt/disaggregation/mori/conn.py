@@ -443,7 +443,7 @@ class MoriKVManager(CommonKVManager):
                     self._worker_threads.append(t)
             self._start_bootstrap_thread()
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
-            self._start_decode_thread()
+            self._worker_threads.append(self._start_decode_listener_thread())
             self._start_heartbeat_checker_thread()
 
     def _init_engine(self) -> IOEngine:
@@ -1004,42 +1004,10 @@ class MoriKVManager(CommonKVManager):
         t.start()
         self._worker_threads.append(t)
 
-    def _start_decode_thread(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-
-        def decode_worker():
-            while not self._stopped:
-                try:
-                    msg = recv()
-                    if msg is None:
-                        continue
-                    if msg and msg[0] == MoriKVManager.AUX_DATA_HEADER:
-                        self._handle_aux_data(msg)
-                        continue
-                    if self.handle_abort_ack_message(msg):
-                        continue
-
-                    parsed = self.parse_kv_status_message(msg)
-                    if parsed is None:
-                        logger.warning(
-                            "Received malformed status message on decode worker"
-                        )
-                        continue
-                    room, status, prefill_rank, reason = parsed
-                    self.apply_prefill_status(
-                        bootstrap_room=room,
-                        status=status,
-                        prefill_rank=prefill_rank,
-                        failure_reason=reason,
-                    )
-                except Exception:
-                    if self._stopped:
-                        break
-                    logger.exception("Decode status worker failed")
-
-        t = threading.Thread(target=decode_worker, daemon=True)
-        t.start()
-        self._worker_threads.append(t)
+    def decode_message_handlers(self):
+        handlers = super().decode_message_handlers()
+        handlers[MoriKVManager.AUX_DATA_HEADER] = self._handle_aux_data
+        return handlers
 
     def teardown(self) -> None:
         """Stop worker threads and release transport resources so this

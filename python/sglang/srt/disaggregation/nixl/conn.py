@@ -1007,40 +1007,11 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         self._staging_ctx.room_bootstrap[room] = bootstrap_infos
         self._staging_ctx.room_receivers[room] = receiver
 
-    def _start_decode_listener_thread(self):
-        """Decode-side ZMQ listener for KV_STATUS, CHUNK_READY, STAGING_REQ and
-        ABORT_ACK.
-
-        Started unconditionally: KV_STATUS carries prefill-side transfer results,
-        which are independent of staging and deferred KV release."""
-
-        def decode_listener_thread():
-            while True:
-                msg = self.server_socket.recv_multipart()
-                if self.handle_chunk_ready(msg):
-                    continue
-                if msg[0] == b"STAGING_REQ":
-                    if self.enable_staging:
-                        self._handle_staging_req(msg)
-                    continue
-                if self.handle_abort_ack_message(msg):
-                    continue
-                parsed = self.parse_kv_status_message(msg)
-                if parsed is not None:
-                    room, status, prefill_rank, reason = parsed
-                    self.apply_prefill_status(
-                        bootstrap_room=room,
-                        status=status,
-                        prefill_rank=prefill_rank,
-                        failure_reason=reason,
-                    )
-                    continue
-                logger.warning(
-                    "decode_listener_thread: unexpected message tag %s",
-                    msg[0][:20],
-                )
-
-        threading.Thread(target=decode_listener_thread, daemon=True).start()
+    def decode_message_handlers(self):
+        handlers = super().decode_message_handlers()
+        if self.enable_staging:
+            handlers[b"STAGING_REQ"] = self._handle_staging_req
+        return handlers
 
     def _prefetch_staging_reqs(self, room: int):
         """Send STAGING_REQ for all chunks before the prefill forward starts.
