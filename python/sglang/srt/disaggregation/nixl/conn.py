@@ -682,8 +682,11 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             if self.enable_staging:
                 self._init_staging_decode_ctx()
-            self._start_decode_listener_thread()
-            self._start_heartbeat_checker_thread()
+            # Tracked so that teardown() can stop and join them.
+            self._decode_threads = [
+                self._start_decode_listener_thread(),
+                self._start_heartbeat_checker_thread(),
+            ]
         else:
             raise ValueError(
                 f"Unsupported DisaggregationMode: {self.disaggregation_mode}"
@@ -1012,6 +1015,18 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         if self.enable_staging:
             handlers[b"STAGING_REQ"] = self._handle_staging_req
         return handlers
+
+    def teardown(self) -> None:
+        """Stop the decode-side threads (control listener, heartbeat checker).
+
+        Not a full role-switch teardown, hence supports_role_switch stays False:
+        prefill workers, sockets and NIXL registrations are left in place.
+        """
+        self._stopped = True
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            self._heartbeat_shutdown.set()
+            for t in self._decode_threads:
+                t.join(timeout=3.0)
 
     def _prefetch_staging_reqs(self, room: int):
         """Send STAGING_REQ for all chunks before the prefill forward starts.
