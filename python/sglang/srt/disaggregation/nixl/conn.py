@@ -1024,6 +1024,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         """
         self._stopped = True
         if self.disaggregation_mode == DisaggregationMode.DECODE:
+            self._stop_bootstrap_fetches()
             self._heartbeat_shutdown.set()
             for t in self._decode_threads:
                 t.join(timeout=3.0)
