@@ -31,7 +31,10 @@ def fake_env(dev, cache: Path, sglang_dir: Path | None = None) -> Path:
     )
     site = next(venv.glob("lib/python3.*/site-packages"))
     for name, version in dev.pinned_requirements().items():
-        info = site / f"{name}-{version}.dist-info"
+        # Dist-info dirs use the normalized name (PEP 427), or "sglang-router"
+        # would read as package "sglang" at version "router-0.3.2".
+        normalized = name.replace("-", "_")
+        info = site / f"{normalized}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(
             f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
