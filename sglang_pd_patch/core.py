@@ -575,6 +575,19 @@ def status(
     return code
 
 
+def _checked_report(sglang_dir, patched_dir, action: str, out: Out):
+    """The report of the target tree, or None (after saying why) when ``action``
+    must change nothing: wrong version or a file modified by someone else."""
+    report = _prepare(sglang_dir, patched_dir)
+    _print_header(report, out)
+    refusal = _refusal(report, action)
+    if refusal:
+        _print_files(report, out)
+        out(refusal)
+        return None
+    return report
+
+
 def install(
     sglang_dir: str | os.PathLike | None = None,
     patched_dir: str | os.PathLike | None = None,
@@ -584,12 +597,8 @@ def install(
 ) -> int:
     """Install the patched files. ``after_file(rel)`` runs after each replaced file
     (a test hook: raising from it simulates an interruption)."""
-    report = _prepare(sglang_dir, patched_dir)
-    _print_header(report, out)
-    refusal = _refusal(report, "install")
-    if refusal:
-        _print_files(report, out)
-        out(refusal)
+    report = _checked_report(sglang_dir, patched_dir, "install", out)
+    if report is None:
         return EXIT_REFUSED
     root = report.sglang_dir
     todo = [f for f in report.files if not f.at_target]
@@ -665,12 +674,8 @@ def uninstall(
     out: Out = print,
     after_file: Callable[[str], None] | None = None,
 ) -> int:
-    report = _prepare(sglang_dir, patched_dir)
-    _print_header(report, out)
-    refusal = _refusal(report, "uninstall")
-    if refusal:
-        _print_files(report, out)
-        out(refusal)
+    report = _checked_report(sglang_dir, patched_dir, "uninstall", out)
+    if report is None:
         return EXIT_REFUSED
     root = report.sglang_dir
     todo = [f for f in report.files if not f.is_stock]

@@ -436,8 +436,9 @@ class TestBadMessageLogging(CustomTestCase):
             mgr = make_manager(backend)
             handlers = mgr.decode_message_handlers()
             unknown = [b"NOT_A_TAG", b"PAYLOAD!!"]
-            with self.subTest(backend=backend), mock.patch.object(
-                conn_mod, "time", fake_time
+            with (
+                self.subTest(backend=backend),
+                mock.patch.object(conn_mod, "time", fake_time),
             ):
                 with self.assertLogs(CONN_LOGGER, "WARNING") as logs:
                     for _ in range(5):

@@ -27,13 +27,11 @@ from sglang.test.test_utils import CustomTestCase
 from test_parallel_info_nonblocking import (
     ADDR,
     PREFILL_INFO,
-    FakeClock,
     FakeGet,
     FakeResponse,
-    drain,
-    make_manager,
-    make_queue,
 )
+from test_parallel_info_nonblocking import _Base as _FetchTestBase
+from test_parallel_info_nonblocking import drain, make_manager, make_queue
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
@@ -122,15 +120,11 @@ def make_req(port: int, room: int):
     )
 
 
-class _Base(CustomTestCase):
+class _Base(_FetchTestBase):
     def setUp(self):
         super().setUp()
-        self.mgr = make_manager()
-        self.addCleanup(self.mgr._parallel_info_executor.shutdown, wait=False)
-        self.clock = FakeClock()
         disagg = SimpleNamespace(disaggregation_decode_allocation_policy="early")
         for patcher in (
-            mock.patch.object(decode_mod, "time", self.clock),
             mock.patch.object(decode_mod, "get_disagg", return_value=disagg),
             mock.patch.object(conn_mod, "get_disagg", return_value=disagg),
             # The ZMQ registration is bounded by SNDTIMEO and out of scope here.
