@@ -3283,7 +3283,13 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
 
 
 class MooncakeKVSender(CommonKVSender):
-    supports_host_tensor_indices = True
+    @property
+    def supports_host_tensor_indices(self) -> bool:
+        # Prefill then copies the page indices device-to-host through pinned
+        # memory and a torch.cuda.Event, which needs the KV cache (and so the
+        # indices) on the accelerator. A host KV pool (--device cpu) has no
+        # such copy to hide and no CUDA driver to run it.
+        return str(get_device().device).split(":", 1)[0] != "cpu"
 
     @mooncake_trace_func(MooncakeRequestStage.MOONCAKE_SEND)
     def send(
