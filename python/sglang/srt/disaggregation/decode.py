@@ -385,6 +385,11 @@ class DecodeRequest:
         return self.req.priority
 
 
+def _kv_pool_on_host(pool) -> bool:
+    """A KV pool in host memory (--device cpu) is registered with NIXL as DRAM."""
+    return str(getattr(pool, "device", "")).split(":", 1)[0] == "cpu"
+
+
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     """
     Store the requests that are preallocating.
@@ -627,7 +632,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         )
         kv_data_mem_kinds = (
             ["DRAM"] * len(kv_data_ptrs)
-            if self.scheduler.enable_hisparse
+            if self.scheduler.enable_hisparse or _kv_pool_on_host(transfer_kv_pool)
             else ["VRAM"] * len(kv_data_ptrs)
         )
         if self.scheduler.enable_hisparse and isinstance(
@@ -651,7 +656,11 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             kv_data_ptrs += draft_kv_data_ptrs
             kv_data_lens += draft_kv_data_lens
             kv_item_lens += draft_kv_item_lens
-            kv_data_mem_kinds += ["VRAM"] * len(draft_kv_data_ptrs)
+            kv_data_mem_kinds += (
+                ["DRAM"] * len(draft_kv_data_ptrs)
+                if _kv_pool_on_host(self.draft_token_to_kv_pool)
+                else ["VRAM"] * len(draft_kv_data_ptrs)
+            )
             num_draft_entries = len(draft_kv_data_ptrs)
 
         kv_args.kv_data_ptrs = kv_data_ptrs

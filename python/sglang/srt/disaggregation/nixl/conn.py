@@ -201,9 +201,11 @@ def _resolve_ucx_device_list(ib_device: str, gpu_id: int) -> Optional[str]:
     return ", ".join(names)
 
 
-def _normalize_kv_mem_kinds(kinds: Optional[List[str]], expected_len: int) -> List[str]:
+def _normalize_kv_mem_kinds(
+    kinds: Optional[List[str]], expected_len: int, default: str = "VRAM"
+) -> List[str]:
     if kinds is None:
-        return ["VRAM"] * expected_len
+        return [default] * expected_len
     kinds = [str(kind) for kind in kinds]
     if len(kinds) != expected_len:
         raise ValueError(
@@ -224,6 +226,12 @@ def _unpack_kv_mem_kinds(buf: bytes, expected_len: int) -> List[str]:
     if not buf:
         return ["VRAM"] * expected_len
     return _normalize_kv_mem_kinds(buf.decode("ascii").split(","), expected_len)
+
+
+def _local_kv_mem_kind() -> str:
+    """Memory kind of this process's KV pool, which lives on the model's device:
+    host memory (--device cpu) must be registered as DRAM, UCX refuses VRAM."""
+    return "DRAM" if str(get_device().device).split(":", 1)[0] == "cpu" else "VRAM"
 
 
 def _nixl_device_id(mem_kind: str, gpu_id: int) -> int:
@@ -532,6 +540,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         self.kv_args.kv_data_mem_kinds = _normalize_kv_mem_kinds(
             getattr(self.kv_args, "kv_data_mem_kinds", None),
             len(self.kv_args.kv_data_ptrs),
+            default=_local_kv_mem_kind(),
         )
         self.src_mem_kind = (
             _homogeneous_kv_mem_kind(self.kv_args.kv_data_mem_kinds, "source")
