@@ -1,0 +1,785 @@
+"""A real PD deployment on this CPU machine, one prefill frozen mid-run.
+
+Starts what users run -- two ``python -m sglang.launch_server
+--disaggregation-mode prefill``, one ``--disaggregation-mode decode`` and
+``python -m sglang_router.launch_router --pd-disaggregation`` in front of them --
+with a tiny randomly initialised GPT-2 built locally (``tools/tiny_model.py``).
+Then a steady trickle of requests goes through the router while prefill 2 is
+frozen (SIGSTOP of the process that hosts its bootstrap server) and resumed.
+
+One variant per run: sglang is whatever ``import sglang`` finds, so put the
+variant's copy first on PYTHONPATH (it is inherited by the scheduler processes
+sglang spawns). The label comes from ``SGLANG_PD_VARIANT`` or, failing that, from
+comparing the five patched files with this checkout.
+
+    PYTHONPATH=/tmp/sg-stock:$REPO python tools/demo_pd.py --out out/stock
+    PYTHONPATH=/tmp/sg-patched:$REPO python tools/demo_pd.py --out out/patched
+    python tools/demo_report.py out/stock out/patched --out out
+
+Writes ``result.json`` and every process's log into ``--out``. Every process it
+starts is stopped (by process group id, then by pid) on success, failure and
+Ctrl-C; a frozen process is resumed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import psutil
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+from tiny_model import ensure_tiny_gpt2  # noqa: E402
+
+HOST = "127.0.0.1"
+PATCH_FILES = (
+    "common/conn.py",
+    "decode.py",
+    "nixl/conn.py",
+    "mooncake/conn.py",
+    "mori/conn.py",
+)
+DISAGG = "python/sglang/srt/disaggregation"
+WORDS = (
+    "the decode scheduler thread never waits on the network a prefill server "
+    "that hangs must not stall every request ends within its retry budget "
+    "quick brown fox jumps over lazy dog key value caches move from prefill "
+    "to decode"
+).split()
+
+
+def log(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------
+# processes
+
+
+class Processes:
+    """Every process this run starts, each in its own process group."""
+
+    def __init__(self) -> None:
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.frozen: Optional[int] = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def start(self, name: str, cmd: List[str], env: dict, log_path: Path):
+        fh = open(log_path, "ab")
+        fh.write(("$ " + " ".join(cmd) + "\n").encode())
+        fh.flush()
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        fh.close()
+        with self._lock:
+            self.procs[name] = proc
+        return proc
+
+    def tree(self, name: str) -> List[psutil.Process]:
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return []
+        try:
+            root = psutil.Process(proc.pid)
+            return [root] + root.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def all_pids(self) -> List[int]:
+        pids = []
+        for name in list(self.procs):
+            pids += [p.pid for p in self.tree(name)]
+        return pids
+
+    def freeze(self, pid: int) -> None:
+        self.frozen = pid
+        os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        pid, self.frozen = self.frozen, None
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def stop_all(self, grace: float = 15.0) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.thaw()
+        # Children first seen now, in case one left our process group.
+        extra = {}
+        for name in self.procs:
+            for p in self.tree(name)[1:]:
+                extra[p.pid] = p
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGCONT)
+                _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():
+            _signal_group(proc.pid, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log(f"pid {proc.pid} did not exit after SIGKILL")
+        for pid, p in extra.items():
+            try:
+                if p.is_running():
+                    p.kill()
+            except psutil.Error:
+                pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> List[int]:
+    ports: List[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def listener_pid(procs: Processes, name: str, port: int) -> Optional[int]:
+    for p in procs.tree(name):
+        try:
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port:
+                    return p.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+# --------------------------------------------------------------------------
+# variant
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def describe_variant() -> dict:
+    import sglang
+
+    pkg = Path(sglang.__file__).resolve().parent
+    disagg = pkg / "srt" / "disaggregation"
+    shas = {rel: _sha(disagg / rel) for rel in PATCH_FILES}
+    repo_shas = {rel: _sha(REPO / DISAGG / rel) for rel in PATCH_FILES}
+    label = os.environ.get("SGLANG_PD_VARIANT")
+    if not label:
+        label = "patched" if shas == repo_shas else "stock"
+    mooncake_src = (disagg / "mooncake" / "conn.py").read_text()
+    cpu_enabled = "    supports_host_tensor_indices = True\n" not in mooncake_src
+    return {
+        "label": label,
+        "sglang_dir": str(pkg),
+        "sglang_version": getattr(sglang, "__version__", "?"),
+        "equals_this_checkout": shas == repo_shas,
+        "cpu_enabled": cpu_enabled,
+        "files_sha256": shas,
+    }
+
+
+# --------------------------------------------------------------------------
+# servers
+
+
+def server_env(backend: str) -> dict:
+    env = dict(os.environ)
+    env["SGLANG_HOST_IP"] = HOST
+    if backend == "mooncake":
+        # The CPU-only Mooncake engine moves KV over TCP on 127.0.0.1.
+        env["MC_FORCE_TCP"] = "1"
+        env["MOONCAKE_PROTOCOL"] = "tcp"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def server_cmd(model: Path, role: str, port: int, args, extra: List[str]):
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--device",
+        "cpu",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--max-total-tokens",
+        "4096",
+        "--disaggregation-mode",
+        role,
+        "--disaggregation-transfer-backend",
+        args.backend,
+        "--log-level",
+        "info",
+    ]
+    return cmd + extra
+
+
+def wait_healthy(urls: Dict[str, str], procs: Processes, timeout: float):
+    """Wait for GET /health == 200 on every server; print progress."""
+    start = time.monotonic()
+    ready: Dict[str, float] = {}
+    last_print = 0.0
+    while len(ready) < len(urls):
+        now = time.monotonic()
+        if now - start > timeout:
+            raise RuntimeError(f"servers not healthy after {timeout:.0f} s: {urls}")
+        for name, url in urls.items():
+            if name in ready:
+                continue
+            proc = procs.procs[name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} at start")
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    ready[name] = now - start
+                    log(f"{name} healthy after {ready[name]:.1f} s")
+            except requests.RequestException:
+                pass
+        if now - last_print >= 5 and len(ready) < len(urls):
+            last_print = now
+            rss = sum(_rss(p) for p in procs.all_pids()) / 2**30
+            waiting = ", ".join(n for n in urls if n not in ready)
+            log(
+                f"starting ... {now - start:.0f} s, waiting for {waiting} "
+                f"(RSS of all servers {rss:.1f} GiB)"
+            )
+        time.sleep(0.5)
+    return ready
+
+
+def _rss(pid: int) -> int:
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.Error:
+        return 0
+
+
+def wait_router(url: str, want: List[str], procs: Processes, timeout: float):
+    """Wait until the router lists every worker URL in ``want``."""
+    start = time.monotonic()
+    body = None
+    while time.monotonic() - start < timeout:
+        if procs.procs["router"].poll() is not None:
+            raise RuntimeError("router exited at start")
+        try:
+            r = requests.get(url + "/workers", timeout=2)
+            if r.status_code == 200:
+                body = r.text
+                if all(w in body for w in want):
+                    return time.monotonic() - start, r.json()
+        except (requests.RequestException, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"router did not register {want} in {timeout:.0f} s: {body}")
+
+
+# --------------------------------------------------------------------------
+# load
+
+
+class RequestLog:
+    def __init__(self):
+        self.rows: List[dict] = []
+        self.lock = threading.Lock()
+
+    def add(self, row: dict) -> None:
+        with self.lock:
+            self.rows.append(row)
+
+
+def one_request(url, rid, t0, timeout, out: RequestLog, rng_seed: int):
+    rng = random.Random(rng_seed)
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 24)))
+    body = {
+        "rid": rid,
+        "text": prompt,
+        "sampling_params": {
+            "max_new_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    }
+    sent = time.monotonic() - t0
+    row = {"rid": rid, "t_send": sent}
+    try:
+        r = requests.post(url + "/generate", json=body, timeout=(5, timeout))
+        row["status"] = r.status_code
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        if r.status_code == 200 and isinstance(data, dict):
+            meta = data.get("meta_info") or {}
+            finish = meta.get("finish_reason") or {}
+            row["completion_tokens"] = meta.get("completion_tokens")
+            row["finish_reason"] = finish
+            if isinstance(finish, dict) and finish.get("type") == "abort":
+                row["outcome"] = "aborted"
+                row["error"] = str(finish.get("message"))
+            else:
+                row["outcome"] = "ok"
+        else:
+            row["outcome"] = "http_error"
+            row["error"] = (r.text or "")[:400]
+    except requests.Timeout:
+        row["status"] = None
+        row["outcome"] = "client_timeout"
+        row["error"] = f"no answer within {timeout:.0f} s (client timeout)"
+    except requests.RequestException as e:
+        row["status"] = None
+        row["outcome"] = "connection_error"
+        row["error"] = str(e)[:400]
+    row["t_end"] = time.monotonic() - t0
+    row["latency"] = row["t_end"] - sent
+    out.add(row)
+
+
+def health_poller(url, t0, stop: threading.Event, rows: List[dict], interval=0.5):
+    while not stop.is_set():
+        start = time.monotonic()
+        row = {"t": start - t0}
+        try:
+            r = requests.get(url + "/health", timeout=30)
+            row["status"] = r.status_code
+        except requests.RequestException as e:
+            row["status"] = None
+            row["error"] = type(e).__name__
+        row["latency"] = time.monotonic() - start
+        rows.append(row)
+        stop.wait(max(0.0, interval - row["latency"]))
+
+
+class MemorySampler(threading.Thread):
+    def __init__(self, procs: Processes, interval=1.0):
+        super().__init__(daemon=True)
+        self.procs = procs
+        self.interval = interval
+        self.stop_event = threading.Event()
+        self.peak_total = 0
+        self.peak_pss_total = 0
+        self.peak_by_name: Dict[str, int] = {}
+        self.min_available = psutil.virtual_memory().available
+        self._n = 0
+
+    def sample(self, pss: bool = False) -> None:
+        total = 0
+        pss_total = 0
+        # RSS counts pages shared between processes (torch, CUDA libraries)
+        # once per process; PSS splits them. PSS reads smaps: every 5th sample.
+        pss = pss or self._n % 5 == 0
+        self._n += 1
+        for name in list(self.procs.procs):
+            rss = 0
+            for p in self.procs.tree(name):
+                try:
+                    if pss:
+                        info = p.memory_full_info()
+                        rss += info.rss
+                        pss_total += info.pss
+                    else:
+                        rss += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            total += rss
+            self.peak_by_name[name] = max(self.peak_by_name.get(name, 0), rss)
+        self.peak_total = max(self.peak_total, total)
+        self.peak_pss_total = max(self.peak_pss_total, pss_total)
+        self.min_available = min(self.min_available, psutil.virtual_memory().available)
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            self.sample()
+            self.stop_event.wait(self.interval)
+
+
+def decode_request_log(log_dir: Path, t0_wall: float):
+    """From the decode's JSON request log (the decode is never frozen, so it
+    logs every request it gets): rid -> bootstrap ports the router injected,
+    and rid -> how the decode server ended the request."""
+    ports: Dict[str, List[int]] = {}
+    verdicts: Dict[str, List[dict]] = {}
+    received: Dict[str, List[float]] = {}
+    for path in sorted(log_dir.glob("*.log*")):
+        for line in path.read_text(errors="replace").splitlines():
+            start = line.find("{")
+            if start < 0 or '"event": "request.' not in line:
+                continue
+            try:
+                data = json.loads(line[start:])
+            except ValueError:
+                continue
+            obj = data.get("obj") or {}
+            rid = data.get("rid") or obj.get("rid")
+            if isinstance(rid, list):
+                rid = rid[0] if rid else None
+            if rid is None:
+                continue
+            rid = str(rid)
+            if data.get("event") == "request.received":
+                port = obj.get("bootstrap_port")
+                if isinstance(port, list):
+                    port = port[0] if port else None
+                if port is not None:
+                    ports.setdefault(rid, []).append(int(port))
+                    ts = datetime.fromisoformat(data["timestamp"]).timestamp()
+                    received.setdefault(rid, []).append(ts - t0_wall)
+            elif data.get("event") == "request.finished":
+                meta = (data.get("out") or {}).get("meta_info") or {}
+                finish = meta.get("finish_reason") or {}
+                ts = datetime.fromisoformat(data["timestamp"]).timestamp()
+                aborted = isinstance(finish, dict) and finish.get("type") == "abort"
+                verdicts.setdefault(rid, []).append(
+                    {
+                        "t_end": ts - t0_wall,
+                        "outcome": "aborted" if aborted else "ok",
+                        "error": finish.get("message") if aborted else None,
+                        "status_code": finish.get("status_code"),
+                        "e2e_latency": meta.get("e2e_latency"),
+                    }
+                )
+    return ports, verdicts, received
+
+
+# --------------------------------------------------------------------------
+# main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--out", type=Path, required=True, help="output directory")
+    ap.add_argument("--freeze-seconds", type=float, default=60.0)
+    ap.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    ap.add_argument(
+        "--quick", action="store_true", help="short phases (10 s / 30 s / 10 s)"
+    )
+    ap.add_argument("--model-dir", type=Path, default=None, help="model cache dir")
+    return ap.parse_args(argv)
+
+
+def run(args, procs: Processes) -> dict:
+    t_run = time.monotonic()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    variant = describe_variant()
+    log(
+        f"variant {variant['label']!r}: sglang {variant['sglang_version']} from "
+        f"{variant['sglang_dir']}; backend {args.backend}"
+    )
+    if variant["label"] == "stock":
+        log(
+            "stock = pristine sglang 0.5.23 disaggregation files + ONLY the "
+            "CPU-enablement hunks (sglang_pd_patch/cpu_enable.patch); pristine "
+            "0.5.23 crashes on a CPU-only machine"
+        )
+    if not variant["cpu_enabled"]:
+        raise SystemExit(
+            "this sglang lacks the CPU-enablement hunks: Mooncake's prefill would "
+            "take the CUDA-only index path; apply sglang_pd_patch/cpu_enable.patch"
+        )
+    before = 10.0 if args.quick else 20.0
+    freeze = 30.0 if args.quick else args.freeze_seconds
+    after = 10.0 if args.quick else 30.0
+    # After the last request is sent, wait this long for open requests. The
+    # router holds a request until BOTH its prefill and decode legs answer.
+    drain_cap = 45.0 if args.quick else 60.0
+
+    model = ensure_tiny_gpt2(args.model_dir)
+    log(f"model: {model}")
+    env = server_env(args.backend)
+    p1, b1, p2, b2, dport, rport, prom = free_ports(7)
+    req_log_dir = out / "decode-requests"
+    prefill_extra = ["--disable-radix-cache", "--disaggregation-bootstrap-port"]
+    servers = {
+        "prefill1": (p1, prefill_extra + [str(b1)]),
+        "prefill2": (p2, prefill_extra + [str(b2)]),
+        "decode": (dport, ["--disaggregation-decode-retraction-backup",
+                           "cpu_tensor", "--log-requests", "--log-requests-level",
+                           "0", "--log-requests-format", "json",
+                           "--log-requests-target", str(req_log_dir)]),
+    }  # fmt: skip
+    urls = {}
+    t_start = time.monotonic()
+    for name, (port, extra) in servers.items():
+        role = "decode" if name == "decode" else "prefill"
+        cmd = server_cmd(model, role, port, args, extra)
+        procs.start(name, cmd, env, out / f"{name}.log")
+        urls[name] = f"http://{HOST}:{port}"
+    # The router starts alongside and registers the servers once they are up.
+    router_url = f"http://{HOST}:{rport}"
+    router_cmd = [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", urls["prefill1"], str(b1),
+        "--prefill", urls["prefill2"], str(b2),
+        "--decode", urls["decode"],
+        "--host", HOST, "--port", str(rport),
+        "--prometheus-host", HOST, "--prometheus-port", str(prom),
+        "--policy", "round_robin",
+        "--worker-startup-check-interval", "2",
+    ]  # fmt: skip
+    procs.start("router", router_cmd, env, out / "router.log")
+    log(f"started 3 servers + router (logs in {out}); waiting for /health")
+    mem = MemorySampler(procs)
+    mem.start()
+    ready = wait_healthy(urls, procs, timeout=400)
+    startup = time.monotonic() - t_start
+    _, workers = wait_router(router_url, list(urls.values()), procs, 120)
+    router_ready = time.monotonic() - t_start
+    log(f"router registered its 3 workers {router_ready:.1f} s after launch")
+
+    # Warm-up: until each prefill has served one request through the router.
+    warm = RequestLog()
+    t0 = time.monotonic()
+    for i in range(6):
+        one_request(router_url, f"warm-{i}", t0, 60, warm, 10_000 + i)
+    bad = [r for r in warm.rows if r["outcome"] != "ok"]
+    if bad:
+        raise RuntimeError(f"warm-up requests failed: {bad}")
+    time.sleep(1.0)  # the request log is written asynchronously
+    ports, _, _ = decode_request_log(req_log_dir, time.time())
+    warm_ports = {p for r in warm.rows for p in ports.get(r["rid"], [])}
+    if warm_ports != {b1, b2}:
+        raise RuntimeError(
+            f"warm-up did not reach both prefills (bootstrap ports seen "
+            f"{sorted(warm_ports)}, want {sorted({b1, b2})})"
+        )
+    log(
+        "warm-up ok, both prefills served; latency "
+        + ", ".join(f"{r['latency']:.2f}" for r in warm.rows)
+        + " s"
+    )
+
+    frozen_pid = listener_pid(procs, "prefill2", b2)
+    if frozen_pid is None:
+        raise RuntimeError(f"no process of prefill2 listens on bootstrap port {b2}")
+    log(
+        f"prefill2's bootstrap server :{b2} is hosted by pid {frozen_pid} "
+        f"(the launch_server process is pid {procs.procs['prefill2'].pid})"
+    )
+
+    # The run: a trickle of requests; prefill2 frozen in [before, before+freeze).
+    reqs = RequestLog()
+    health: List[dict] = []
+    stop_health = threading.Event()
+    t0 = time.monotonic()
+    t0_wall = time.time()
+    hp = threading.Thread(
+        target=health_poller,
+        args=(urls["decode"], t0, stop_health, health),
+        daemon=True,
+    )
+    hp.start()
+    pool = ThreadPoolExecutor(max_workers=512)
+    total = before + freeze + after
+    interval = 1.0 / args.rate
+    client_timeout = total + drain_cap + 5.0
+    n = 0
+    freeze_at = before
+    thaw_at = before + freeze
+    window: List[Optional[float]] = [None, None]
+    log(
+        f"sending {args.rate:g} req/s for {total:.0f} s; prefill2 frozen from "
+        f"t={freeze_at:.0f} s to t={thaw_at:.0f} s"
+    )
+    next_progress = 10.0
+    while True:
+        now = time.monotonic() - t0
+        if window[0] is None and now >= freeze_at:
+            procs.freeze(frozen_pid)
+            window[0] = time.monotonic() - t0
+            log(f"SIGSTOP pid {frozen_pid} (prefill2) at t={window[0]:.1f} s")
+        if window[0] is not None and window[1] is None and now >= thaw_at:
+            procs.thaw()
+            window[1] = time.monotonic() - t0
+            log(f"SIGCONT pid {frozen_pid} (prefill2) at t={window[1]:.1f} s")
+        if now >= total:
+            break
+        if now >= n * interval:
+            rid = f"{variant['label']}-{args.backend}-{n:04d}"
+            timeout = client_timeout - n * interval
+            pool.submit(one_request, router_url, rid, t0, timeout, reqs, n)
+            n += 1
+        if now >= next_progress:
+            next_progress += 10.0
+            with reqs.lock:
+                done = list(reqs.rows)
+            recent = [r["latency"] for r in done if r["t_end"] > now - 10]
+            hl = [h["latency"] for h in health if h["t"] > now - 10]
+            log(
+                f"t={now:.0f} s: sent {n}, answered {len(done)}; last 10 s: "
+                f"max latency {max(recent, default=float('nan')):.1f} s, "
+                f"decode /health max {max(hl, default=float('nan')):.2f} s"
+            )
+        time.sleep(min(0.05, max(0.0, n * interval - now)))
+
+    log(f"load done ({n} requests); waiting up to {drain_cap:.0f} s for the rest")
+    drain_deadline = time.monotonic() + drain_cap
+    while time.monotonic() < drain_deadline:
+        with reqs.lock:
+            if len(reqs.rows) >= n:
+                break
+        time.sleep(0.5)
+    stop_health.set()
+    hp.join(timeout=15)
+    pool.shutdown(wait=False, cancel_futures=True)
+    t_cut = time.monotonic() - t0
+    with reqs.lock:
+        rows = list(reqs.rows)
+    done_rids = {r["rid"] for r in rows}
+    for i in range(n):
+        rid = f"{variant['label']}-{args.backend}-{i:04d}"
+        if rid not in done_rids:
+            rows.append(
+                {
+                    "rid": rid,
+                    "t_send": i * interval,
+                    "t_end": None,
+                    "latency": None,
+                    "status": None,
+                    "outcome": "open",
+                    "error": f"no answer from the router by t={t_cut:.0f} s "
+                    "(the demo stopped waiting)",
+                }
+            )
+    time.sleep(1.0)  # let the decode flush its request log
+    ports, verdicts, received = decode_request_log(req_log_dir, t0_wall)
+    by_port = {b1: "prefill1", b2: "prefill2"}
+    for r in rows:
+        seen = ports.get(r["rid"], [])
+        r["bootstrap_ports"] = seen
+        # The prefill the router picked; a router retry (to either prefill)
+        # shows up as a second entry at the decode.
+        r["prefill"] = by_port.get(seen[0]) if seen else None
+        r["router_retries"] = max(0, len(seen) - 1)
+        r["decode"] = verdicts.get(r["rid"], [])
+        r["decode_received"] = received.get(r["rid"], [])
+    rows.sort(key=lambda r: r["t_send"])
+    mem.sample(pss=True)
+    mem.stop_event.set()
+
+    return {
+        "variant": variant,
+        "backend": args.backend,
+        "rate": args.rate,
+        "phases": {"before": before, "freeze": freeze, "after": after},
+        "freeze_window": window,
+        "t_cut": t_cut,
+        "frozen": {
+            "server": "prefill2",
+            "pid": frozen_pid,
+            "launch_pid": procs.procs["prefill2"].pid,
+            "bootstrap_port": b2,
+        },
+        "healthy_prefill": "prefill1",
+        "ports": {"prefill1": [p1, b1], "prefill2": [p2, b2], "decode": dport,
+                  "router": rport},
+        "router": {"policy": "round_robin", "workers": workers,
+                   "cmd": router_cmd},
+        "startup_s": {"servers_healthy": startup, **ready,
+                      "router_registered": router_ready},
+        "requests": rows,
+        "warmup": warm.rows,
+        "decode_health": health,
+        "drain_cap_s": drain_cap,
+        "memory": {
+            "peak_total_rss_bytes": mem.peak_total,
+            "peak_total_pss_bytes": mem.peak_pss_total,
+            "peak_rss_bytes": mem.peak_by_name,
+            "min_available_bytes": mem.min_available,
+        },
+        "machine": {"cpus": os.cpu_count(),
+                    "mem_total_bytes": psutil.virtual_memory().total,
+                    "loadavg_at_end": os.getloadavg()},
+        "run_s": time.monotonic() - t_run,
+    }  # fmt: skip
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    procs = Processes()
+    atexit.register(procs.stop_all)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    t = time.monotonic()
+    result = None
+    try:
+        result = run(args, procs)
+    except KeyboardInterrupt:
+        log("interrupted; stopping every process this run started")
+        return 130
+    finally:
+        t_stop = time.monotonic()
+        procs.stop_all()
+        log(f"stopped all processes in {time.monotonic() - t_stop:.1f} s")
+    result["run_s"] = time.monotonic() - t
+    path = args.out / "result.json"
+    path.write_text(json.dumps(result, indent=1))
+    mem = result["memory"]
+    log(
+        f"done in {result['run_s']:.0f} s; peak memory of all servers + router: "
+        f"PSS {mem['peak_total_pss_bytes'] / 2**30:.2f} GiB (RSS summed over "
+        f"processes {mem['peak_total_rss_bytes'] / 2**30:.2f} GiB); results in "
+        f"{path}"
+    )
+    from demo_report import summarize_text
+
+    print(summarize_text(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

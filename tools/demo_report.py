@@ -1,0 +1,353 @@
+"""Merge ``tools/demo_pd.py`` results into a markdown report and a PNG plot.
+
+    python tools/demo_report.py OUT/stock OUT/patched --out OUT
+
+Each positional argument is a ``result.json`` or a directory holding one. Writes
+``report.md`` and ``latency.png`` into ``--out`` and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List, Optional
+
+PHASES = ("before", "during", "after")
+
+
+def load(path: Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "result.json"
+    return json.loads(path.read_text())
+
+
+def phase_of(t: float, window) -> str:
+    start, end = window
+    if t < start:
+        return "before"
+    if end is None or t < end:
+        return "during"
+    return "after"
+
+
+def quantile(values: List[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    values = sorted(values)
+    pos = q * (len(values) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def _fmt(x: Optional[float], digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def summarize(result: dict) -> dict:
+    window = result["freeze_window"]
+    healthy = result.get("healthy_prefill", "prefill1")
+    frozen = result["frozen"]["server"]
+    s: Dict[str, dict] = {"healthy": {}, "frozen": {}}
+    for ph in PHASES:
+        rows = [
+            r
+            for r in result["requests"]
+            if r.get("prefill") == healthy and phase_of(r["t_send"], window) == ph
+        ]
+        ok = [r["latency"] for r in rows if r["outcome"] == "ok"]
+        s["healthy"][ph] = {
+            "n": len(rows),
+            "not_ok": len(rows) - len(ok),
+            "p50": quantile(ok, 0.5),
+            "p90": quantile(ok, 0.9),
+            "max": max(ok) if ok else None,
+        }
+    # Requests routed to the frozen prefill while it was frozen, plus the ones
+    # it had in flight when it was stopped.
+    hit = [
+        r
+        for r in result["requests"]
+        if r.get("prefill") == frozen
+        and r["t_send"] < (window[1] if window[1] is not None else math.inf)
+        and (r["t_end"] is None or r["t_end"] > window[0])
+    ]
+    errors = Counter(r.get("error") for r in hit if r["outcome"] != "ok")
+    lat = [r["latency"] for r in hit if r["latency"] is not None]
+    # The decode server's own verdict on the request as routed to prefill2
+    # (the first one it logged; a router retry is a new request there).
+    verdicts = [r["decode"][0] if r.get("decode") else None for r in hit]
+    ended = [v for v in verdicts if v is not None]
+    d_ends = [v["t_end"] - window[0] for v in ended]
+    d_errors = Counter(_generic(v["error"]) for v in ended if v["outcome"] != "ok")
+    s["frozen"] = {
+        "n": len(hit),
+        "outcomes": dict(Counter(r["outcome"] for r in hit)),
+        "statuses": dict(Counter(str(r.get("status")) for r in hit)),
+        "latency_min": min(lat, default=None),
+        "latency_max": max(lat, default=None),
+        "errors": errors.most_common(),
+        "router_retries": sum(1 for r in hit if r.get("router_retries")),
+        "decode_outcomes": dict(Counter(v["outcome"] for v in ended)),
+        "decode_open": len(verdicts) - len(ended),
+        "decode_end_min": min(d_ends, default=None),
+        "decode_end_max": max(d_ends, default=None),
+        "decode_errors": d_errors.most_common(),
+    }
+    s["unattributed"] = sum(1 for r in result["requests"] if r.get("prefill") is None)
+    polls = [h for h in result["decode_health"] if phase_of(h["t"], window) == "during"]
+    lat = [h["latency"] for h in polls]
+    s["health"] = {
+        "n": len(polls),
+        "p50": quantile(lat, 0.5),
+        "max": max(lat) if lat else None,
+        "over_1s": sum(1 for x in lat if x > 1.0),
+        "failed": sum(1 for h in polls if h.get("status") != 200),
+    }
+    all_lat = [h["latency"] for h in result["decode_health"]]
+    s["health_all_max"] = max(all_lat) if all_lat else None
+    return s
+
+
+def _generic(msg: Optional[str]) -> str:
+    """An error text with the per-request ids cut out, for counting."""
+    import re
+
+    msg = msg or ""
+    msg = re.sub(r"rid='[^']*'", "rid=...", msg)
+    msg = re.sub(r"bootstrap_room=\d+", "bootstrap_room=...", msg)
+    return msg
+
+
+def label(result: dict) -> str:
+    return f"{result['variant']['label']} ({result['backend']})"
+
+
+def tables(results: List[dict]) -> str:
+    sums = [summarize(r) for r in results]
+    out = []
+    out.append(
+        "Healthy prefill (prefill1): latency of successful requests, seconds, "
+        "by send time (p50 / p90 / max, n)\n"
+    )
+    out.append("| variant | before freeze | during freeze | after resume |")
+    out.append("|---|---|---|---|")
+    for r, s in zip(results, sums):
+        cells = []
+        for ph in PHASES:
+            h = s["healthy"][ph]
+            cell = (
+                f"{_fmt(h['p50'])} / {_fmt(h['p90'])} / {_fmt(h['max'])} "
+                f"(n={h['n']})"
+            )
+            if h["not_ok"]:
+                cell += f", {h['not_ok']} not ok"
+            cells.append(cell)
+        out.append(f"| {label(r)} | " + " | ".join(cells) + " |")
+    out.append("")
+    out.append(
+        "Requests routed to the frozen prefill (prefill2) while it was frozen "
+        "(or in flight when it was stopped): how the DECODE SERVER ended them "
+        "(from its request log)\n"
+    )
+    out.append(
+        "| variant | n | decode: admitted / aborted / still open "
+        "| ended, s after freeze start (min-max) | decode error text |"
+    )
+    out.append("|---|---|---|---|---|")
+    for r, s in zip(results, sums):
+        f = s["frozen"]
+        d = f["decode_outcomes"]
+        errs = "<br>".join(f"{n}x `{e[:220]}`" for e, n in f["decode_errors"]) or "none"
+        out.append(
+            f"| {label(r)} | {f['n']} | {d.get('ok', 0)} / {d.get('aborted', 0)}"
+            f" / {f['decode_open']} | {_fmt(f['decode_end_min'], 1)} - "
+            f"{_fmt(f['decode_end_max'], 1)} | {errs} |"
+        )
+    out.append("")
+    out.append(
+        "The same requests as the client saw them through the router "
+        "(the router answers only when both its prefill and decode legs have)\n"
+    )
+    out.append(
+        "| variant | client outcome | HTTP status | latency min-max (s) "
+        "| retried by router | client error text |"
+    )
+    out.append("|---|---|---|---|---|---|")
+    for r, s in zip(results, sums):
+        f = s["frozen"]
+        errs = (
+            "<br>".join(f"{n}x `{_generic(e)[:200]}`" for e, n in f["errors"]) or "none"
+        )
+        out.append(
+            f"| {label(r)} | "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(f["outcomes"].items()))
+            + " | "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(f["statuses"].items()))
+            + f" | {_fmt(f['latency_min'], 1)} - {_fmt(f['latency_max'], 1)}"
+            + f" | {f['router_retries']} | {errs} |"
+        )
+    out.append("")
+    out.append(
+        "Decode server `GET /health` latency while prefill2 was frozen (the "
+        "handler runs a 1-token probe and checks every 1 s, so ~1.0 s is healthy)\n"
+    )
+    out.append("| variant | polls | p50 (s) | max (s) | > 1 s | failed/timed out |")
+    out.append("|---|---|---|---|---|---|")
+    for r, s in zip(results, sums):
+        h = s["health"]
+        out.append(
+            f"| {label(r)} | {h['n']} | {_fmt(h['p50'], 3)} | {_fmt(h['max'], 3)} "
+            f"| {h['over_1s']} | {h['failed']} |"
+        )
+    out.append("")
+    out.append(
+        "| variant | servers healthy (s) | router ready (s) | run (s) "
+        "| peak memory, all processes: PSS (RSS sum) GiB | load avg at end |"
+    )
+    out.append("|---|---|---|---|---|---|")
+    for r in results:
+        rss = r["memory"]["peak_total_rss_bytes"] / 2**30
+        pss = r["memory"].get("peak_total_pss_bytes", 0) / 2**30
+        load = r.get("machine", {}).get("loadavg_at_end") or [None]
+        out.append(
+            f"| {label(r)} | {r['startup_s']['servers_healthy']:.0f} | "
+            f"{r['startup_s']['router_registered']:.0f} | {r['run_s']:.0f} | "
+            f"{pss:.2f} ({rss:.2f}) | {_fmt(load[0], 1)} |"
+        )
+    notes = []
+    for r, s in zip(results, sums):
+        if s["unattributed"]:
+            notes.append(
+                f"{label(r)}: {s['unattributed']} request(s) never reached the "
+                "decode server, so their prefill is unknown."
+            )
+        if r["variant"]["label"] == "stock":
+            notes.append(
+                f"{label(r)}: stock = pristine sglang 0.5.23 disaggregation files "
+                "plus ONLY the CPU-enablement hunks "
+                "(`sglang_pd_patch/cpu_enable.patch`); pristine 0.5.23 crashes on "
+                "a CPU-only machine."
+            )
+    if notes:
+        out.append("")
+        out += [f"- {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+def summarize_text(result: dict) -> str:
+    window = result["freeze_window"]
+    head = (
+        f"{label(result)}: prefill2 frozen t={window[0]:.1f}-{window[1]:.1f} s, "
+        f"{len(result['requests'])} requests at {result['rate']:g}/s"
+    )
+    return head + "\n\n" + tables([result])
+
+
+def plot(results: List[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(
+        2,
+        n,
+        figsize=(6.5 * n, 7.5),
+        squeeze=False,
+        sharey="row",
+        sharex="col",
+        gridspec_kw={"height_ratios": [3, 1.3]},
+    )
+    colors = {"prefill1": "tab:blue", "prefill2": "tab:red", None: "tab:gray"}
+    names = {
+        "prefill1": "healthy prefill1",
+        "prefill2": "frozen prefill2",
+        None: "prefill unknown",
+    }
+    for col, r in enumerate(results):
+        w = r["freeze_window"]
+        ax, hx = axes[0][col], axes[1][col]
+        for a in (ax, hx):
+            a.axvspan(w[0], w[1], color="tab:orange", alpha=0.15, lw=0)
+            a.grid(True, which="both", alpha=0.3)
+        t_cut = r.get("t_cut")
+        for pf in ("prefill1", "prefill2", None):
+            rows = [x for x in r["requests"] if x.get("prefill") == pf]
+            groups = {
+                "ok": [x for x in rows if x["outcome"] == "ok"],
+                "retried": [],
+                "failed": [
+                    x
+                    for x in rows
+                    if x["outcome"] not in ("ok", "open") and x["latency"]
+                ],
+                "open": [x for x in rows if x["outcome"] == "open"],
+            }
+            groups["retried"] = [x for x in groups["ok"] if x.get("router_retries")]
+            groups["ok"] = [x for x in groups["ok"] if not x.get("router_retries")]
+            style = {
+                "ok": dict(s=14, marker="o"),
+                "retried": dict(s=30, marker="o", facecolors="none"),
+                "failed": dict(s=40, marker="x"),
+                "open": dict(s=40, marker="^"),
+            }
+            what = {
+                "ok": "",
+                "retried": ", retried by the router",
+                "failed": ", failed",
+                "open": ", no answer when the demo stopped",
+            }
+            for key, xs in groups.items():
+                if not xs:
+                    continue
+                ys = [
+                    x["latency"] if x["latency"] is not None else t_cut - x["t_send"]
+                    for x in xs
+                ]
+                kw = dict(style[key])
+                if key == "retried":
+                    kw["edgecolors"] = colors[pf]
+                else:
+                    kw["color"] = colors[pf]
+                ax.scatter(
+                    [x["t_send"] for x in xs], ys, label=names[pf] + what[key], **kw
+                )
+        ax.set_yscale("log")
+        ax.set_title(f"{label(r)}: request latency through the router")
+        ax.set_ylabel("latency (s), by send time")
+        ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
+        h = r["decode_health"]
+        hx.plot([x["t"] for x in h], [x["latency"] for x in h], ".", ms=3)
+        hx.set_yscale("log")
+        hx.set_ylabel("decode GET /health (s)")
+        hx.set_xlabel("time since load start (s); shaded: prefill2 SIGSTOPped")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    results = [load(p) for p in args.results]
+    args.out.mkdir(parents=True, exist_ok=True)
+    md = "# PD demo: one prefill frozen, " + " vs ".join(map(label, results))
+    md += "\n\n" + tables(results)
+    md += "\n![latency](latency.png)\n"
+    (args.out / "report.md").write_text(md)
+    plot(results, args.out / "latency.png")
+    print(md)
+    print(f"wrote {args.out / 'report.md'} and {args.out / 'latency.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
