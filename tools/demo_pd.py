@@ -131,6 +131,10 @@ class Processes:
             if self._stopped:
                 return
             self._stopped = True
+        if threading.current_thread() is threading.main_thread():
+            # A second Ctrl-C must not leave half of them running.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
         self.thaw()
         # Children first seen now, in case one left our process group.
         extra = {}
@@ -752,8 +756,9 @@ def main(argv=None) -> int:
     def on_signal(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    # SIGINT too: a shell that starts us in the background leaves it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     t = time.monotonic()
     result = None
     try:
