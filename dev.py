@@ -6,6 +6,9 @@
     python3 dev.py side-by-side SCRIPT [ARGS...]
         Run SCRIPT once against stock sglang 0.5.23 and once against the patched
         files, each in its own process, in the same cached env.
+    python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
+        The main job: two prefill servers, one decode and the PD router on this
+        machine, one prefill frozen mid-run; stock, then patched (tools/demo_pd.py).
 
 The env is a venv at ``$SGLANG_PD_PATCH_CACHE/venv`` (default
 ``~/.cache/sglang-pd-patch``), shared by every clone on the machine. It holds the
@@ -327,13 +330,22 @@ def _copy_tree(src: Path, dst: Path) -> None:
 
 
 def _prepare_variant(
-    python: Path, src: Path, variant: str, fingerprint: str, cache: Path
+    python: Path,
+    src: Path,
+    variant: str,
+    fingerprint: str,
+    cache: Path,
+    stock_files: Path | None = None,
 ) -> Path:
-    """``<cache>/variants/<variant>`` holding an sglang/ copy in that state."""
+    """``<cache>/variants/<variant>`` holding an sglang/ copy in that state.
+    ``stock_files``: install these files as the stock variant instead of
+    restoring pristine 0.5.23 (the demo's CPU-enabled stock)."""
     vdir = cache / "variants" / variant
     dst = vdir / "sglang"
     stamp = vdir / ".source-fingerprint"
-    action = "uninstall" if variant == "stock" else "install"
+    action = ["uninstall"] if variant == "stock" else ["install"]
+    if variant == "stock" and stock_files is not None:
+        action = ["install", "--patched-dir", str(stock_files)]
     for attempt in (1, 2):
         fresh = False
         if (
@@ -350,7 +362,7 @@ def _prepare_variant(
             fresh = True
             log(f"variant {variant}: copied {src} ({time.monotonic() - start:.1f} s)")
         proc = subprocess.run(
-            [str(python), "-m", "sglang_pd_patch", action, "--sglang-dir", str(dst)],
+            [str(python), "-m", "sglang_pd_patch", *action, "--sglang-dir", str(dst)],
             env=tool_env(),
             capture_output=True,
             text=True,
@@ -401,6 +413,8 @@ def side_by_side(
     args: list[str] = (),
     cache: Path | None = None,
     echo: bool = True,
+    variant_args: dict[str, list[str]] | None = None,
+    stock_files: Path | None = None,
 ) -> dict[str, VariantRun]:
     """Run ``script`` against stock and patched sglang (in that order), each in its
     own process of the cached env's Python; returns the runs by variant name.
@@ -416,21 +430,25 @@ def side_by_side(
         src = site_packages(cache) / "sglang"
         fingerprint = source_fingerprint(src)
         vdirs = {
-            v: _prepare_variant(python, src, v, fingerprint, cache) for v in VARIANTS
+            v: _prepare_variant(python, src, v, fingerprint, cache, stock_files)
+            for v in VARIANTS
         }
         for variant in VARIANTS:
             env = tool_env(
                 {
                     "SGLANG_PD_VARIANT": variant,
                     "SGLANG_PD_VARIANT_DIR": str(vdirs[variant]),
+                    # Progress shows as it happens, not when the pipe fills.
+                    "PYTHONUNBUFFERED": "1",
                 },
                 path=[vdirs[variant]],
             )
             if echo:
                 print(f"===== {variant} =====", flush=True)
             start = time.monotonic()
+            extra = (variant_args or {}).get(variant, [])
             proc = subprocess.Popen(
-                [str(python), "-c", _BOOT, str(script), *map(str, args)],
+                [str(python), "-c", _BOOT, str(script), *map(str, args), *extra],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -451,14 +469,75 @@ def side_by_side(
     return runs
 
 
+# --------------------------------------------------------------------------- #
+# demo
+# --------------------------------------------------------------------------- #
+
+CPU_ENABLE_PATCH = REPO / "sglang_pd_patch" / "cpu_enable.patch"
+
+
+def cpu_enabled_stock_files(cache: Path) -> Path:
+    """Pristine 0.5.23 files plus ONLY sglang_pd_patch/cpu_enable.patch: pristine
+    0.5.23 cannot run PD on a CPU-only machine, so this is the demo's stock."""
+    sys.path.insert(0, str(REPO))
+    from sglang_pd_patch import core, export
+
+    root = cache / "variants" / "stock-cpu-files"
+    shutil.rmtree(root, ignore_errors=True)
+    manifest = core.load_manifest()
+    for rel, sha in manifest.files.items():
+        data, _ = export.pristine_bytes(rel, sha, None, REPO)
+        path = root / core.REPO_DISAGG_SUBDIR / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    if _run(["git", "apply", CPU_ENABLE_PATCH], cwd=root) != 0:
+        raise SystemExit(f"[dev] {CPU_ENABLE_PATCH} does not apply to sglang 0.5.23")
+    return root / core.REPO_DISAGG_SUBDIR
+
+
+def cmd_demo(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 dev.py demo")
+    ap.add_argument("--backend", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--quick", action="store_true", help="short phases, ~4 min each")
+    ap.add_argument("--out", type=Path, default=REPO / "demo-out")
+    args, rest = ap.parse_known_args(argv)
+    start = time.monotonic()
+    ensure_system_packages()
+    out = args.out.resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    common = ["--backend", args.backend, *(["--quick"] if args.quick else []), *rest]
+    runs = side_by_side(
+        REPO / "tools" / "demo_pd.py",
+        common,
+        variant_args={v: ["--out", str(out / v)] for v in VARIANTS},
+        stock_files=cpu_enabled_stock_files(cache_dir()),
+    )
+    failed = [v for v, run in runs.items() if run.returncode != 0]
+    if failed:
+        log(f"demo failed for {failed}; logs are in {out}")
+        return 1
+    python = venv_python(cache_dir())
+    report = [python, REPO / "tools" / "demo_report.py", out / "stock"]
+    if _run([*report, out / "patched", "--out", out], env=tool_env()) != 0:
+        return 1
+    log(f"report: {out / 'report.md'}, plot: {out / 'latency.png'}")
+    log(f"whole demo took {time.monotonic() - start:.0f} s")
+    return 0
+
+
 USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
-       python3 dev.py side-by-side SCRIPT [ARGS...]"""
+       python3 dev.py side-by-side SCRIPT [ARGS...]
+       python3 dev.py demo [--backend nixl] [--quick] [--out DIR]"""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["test"]:
         return cmd_test(argv[1:])
+    if argv[:1] == ["demo"]:
+        return cmd_demo(argv[1:])
     if argv[:1] == ["side-by-side"] and len(argv) >= 2:
         runs = side_by_side(argv[1], argv[2:])
         return 0 if all(r.returncode == 0 for r in runs.values()) else 1
