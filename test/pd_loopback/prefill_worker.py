@@ -1,0 +1,298 @@
+"""One loopback prefill instance: a real bootstrap server and a real PREFILL-mode
+KV manager in one process, driven by the harness over a control connection.
+
+Started by ``harness.PrefillProcess`` as ``python prefill_worker.py ...``; not a
+test module. The process hosts:
+
+- the backend's bootstrap server class (``get_kv_class(backend,
+  KVClassType.BOOTSTRAP_SERVER)``), unmodified except for one aiohttp
+  middleware that injects faults when the harness asks for them (delay or an
+  HTTP error status on decode-facing requests);
+- a PREFILL-mode ``MooncakeKVManager`` / ``NixlKVManager`` that registers with
+  that bootstrap server exactly as a prefill scheduler does;
+- for each ``send`` command, a real ``KVSender`` that waits for the decode's
+  metadata, writes a known pattern into the prefill KV pool and sends it.
+
+SIGSTOP freezes all of it at once, which is the "hung prefill" under test.
+Control messages are picklable dicts over a ``multiprocessing.connection``
+wrapped around an inherited socket; every reply carries the request ``id``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pd_setup  # noqa: E402
+
+# Read by the aiohttp middleware on the server's event loop; replaced whole
+# by the control thread, so a reader never sees a half-written spec.
+_FAULT = {"mode": "none"}
+
+
+def _die_with_parent() -> None:
+    # Belt and braces next to the harness's own cleanup: if the harness is
+    # SIGKILLed, the kernel takes this process down too.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def _fault_applies(spec: dict, request) -> bool:
+    if spec.get("mode", "none") == "none":
+        return False
+    if request.method not in spec.get("methods", ("GET", "POST")):
+        return False
+    paths = spec.get("paths")
+    if paths and request.path not in paths:
+        return False
+    kind = spec.get("route_kind")
+    if kind is not None and request.path == "/route":
+        is_info = request.query.get("prefill_dp_rank") == "-1"
+        if (kind == "info") != is_info:
+            return False
+    return True
+
+
+def _make_bootstrap_server(backend: str, port: int):
+    from aiohttp import web
+    from sglang.srt.disaggregation.utils import (
+        KVClassType,
+        TransferBackend,
+        get_kv_class,
+    )
+
+    server_class = get_kv_class(TransferBackend(backend), KVClassType.BOOTSTRAP_SERVER)
+
+    @web.middleware
+    async def fault_middleware(request, handler):
+        spec = _FAULT
+        if _fault_applies(spec, request):
+            if spec["mode"] == "delay":
+                await asyncio.sleep(float(spec["delay_s"]))
+            elif spec["mode"] == "status":
+                return web.Response(
+                    status=int(spec["status"]), text="injected by pd_loopback"
+                )
+        return await handler(request)
+
+    class FaultInjectingBootstrapServer(server_class):
+        def _setup_routes(self):
+            super()._setup_routes()
+            # Runs in __init__ before the server thread starts, i.e. before
+            # the application is frozen.
+            self.app.middlewares.append(fault_middleware)
+
+    return FaultInjectingBootstrapServer(host=pd_setup.HOST, port=port)
+
+
+def _wait_port(port: int, timeout_s: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((pd_setup.HOST, port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"bootstrap server did not listen on {port}")
+
+
+class Worker:
+    def __init__(self, args, conn):
+        self.args = args
+        self.conn = conn
+        self.reply_lock = threading.Lock()
+        self.alloc_lock = threading.Lock()
+
+    def reply(self, msg: dict) -> None:
+        with self.reply_lock:
+            self.conn.send(msg)
+
+    def setup(self) -> None:
+        from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+        a = self.args
+        self.server_args = pd_setup.make_server_args(
+            mode="prefill",
+            backend=a.backend,
+            model_path=a.model_path,
+            port=a.port,
+            bootstrap_port=a.bootstrap_port,
+        )
+        pd_setup.publish_process(self.server_args)
+        self.bootstrap_server = _make_bootstrap_server(a.backend, a.bootstrap_port)
+        _wait_port(a.bootstrap_port, 30)
+        self.pool = pd_setup.make_kv_pool()
+        self.metadata_buffers = pd_setup.make_metadata_buffers(self.server_args)
+        self.allocator = TokenToKVPoolAllocator(
+            pd_setup.POOL_TOKENS, self.pool.dtype, "cpu", self.pool, need_sort=False
+        )
+        self.metadata_allocator = ReqToMetadataIdxAllocator(pd_setup.METADATA_SLOTS)
+        self.manager = pd_setup.make_prefill_manager(
+            a.backend, self.server_args, self.pool, self.metadata_buffers
+        )
+
+    # -- commands ---------------------------------------------------------
+
+    def cmd_fault(self, msg: dict) -> dict:
+        global _FAULT
+        spec = dict(msg.get("spec") or {"mode": "none"})
+        if "methods" in spec:
+            spec["methods"] = tuple(spec["methods"])
+        _FAULT = spec
+        return {"ok": True}
+
+    def cmd_send(self, msg: dict) -> None:
+        threading.Thread(
+            target=self._send_job, args=(msg,), name=f"send-{msg['room']}", daemon=True
+        ).start()
+
+    def _send_job(self, msg: dict) -> None:
+        try:
+            result = self._send(int(msg["room"]), int(msg["num_tokens"]), msg)
+        except Exception:
+            result = {"status": "Error", "error": traceback.format_exc()}
+        result["id"] = msg["id"]
+        self.reply(result)
+
+    def _send(self, room: int, num_tokens: int, msg: dict) -> dict:
+        import torch
+        from sglang.srt.disaggregation.base import KVPoll
+        from sglang.srt.disaggregation.utils import (
+            KVClassType,
+            TransferBackend,
+            get_kv_class,
+        )
+        from sglang.srt.mem_cache.common import kv_to_page_indices
+
+        deadline = time.monotonic() + float(msg.get("timeout_s", 60))
+        sender_class = get_kv_class(
+            TransferBackend(self.args.backend), KVClassType.SENDER
+        )
+        sender = sender_class(
+            mgr=self.manager,
+            bootstrap_addr=f"{pd_setup.HOST}:{self.args.bootstrap_port}",
+            bootstrap_room=room,
+        )
+
+        def wait_for(states) -> int:
+            while time.monotonic() < deadline:
+                state = sender.poll()
+                if state in states:
+                    return state
+                time.sleep(0.002)
+            return -1
+
+        def failure() -> str:
+            try:
+                sender.failure_exception()
+            except Exception as e:
+                return str(e)
+            return "failed without an exception"
+
+        state = wait_for((KVPoll.WaitingForInput, KVPoll.Failed))
+        if state != KVPoll.WaitingForInput:
+            if state == -1:
+                sender.abort()
+                return {"status": "Timeout", "error": "decode never bootstrapped"}
+            return {"status": "Failed", "error": failure()}
+
+        with self.alloc_lock:
+            token_indices = self.allocator.alloc(num_tokens)
+            aux_index = self.metadata_allocator.alloc()
+        try:
+            pattern = pd_setup.kv_pattern(room, num_tokens)
+            for layer in range(pd_setup.NUM_LAYERS):
+                self.pool.k_buffer[layer][token_indices] = pattern[layer, 0]
+                self.pool.v_buffer[layer][token_indices] = pattern[layer, 1]
+            self.metadata_buffers.output_ids[aux_index][0] = room % 100_000
+            # int32, as the rows of req_to_token that the scheduler reads.
+            page_indices = kv_to_page_indices(
+                token_indices.to(torch.int32), pd_setup.PAGE_SIZE
+            )
+            sender.init(len(page_indices), aux_index)
+            sender.send(page_indices, None, num_kv_tokens=num_tokens)
+            state = wait_for((KVPoll.Success, KVPoll.Failed))
+        finally:
+            with self.alloc_lock:
+                self.allocator.free(token_indices)
+                self.metadata_allocator.free(aux_index)
+        if state == KVPoll.Success:
+            return {"status": "Success"}
+        if state == -1:
+            return {"status": "Timeout", "error": "transfer did not finish"}
+        return {"status": "Failed", "error": failure()}
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            cmd = msg.get("cmd")
+            if cmd == "stop":
+                self.reply({"id": msg["id"], "ok": True})
+                return
+            if cmd == "send":
+                self.cmd_send(msg)
+                continue
+            try:
+                if cmd == "fault":
+                    out = self.cmd_fault(msg)
+                elif cmd == "ping":
+                    out = {"ok": True}
+                else:
+                    out = {"ok": False, "error": f"unknown command {cmd!r}"}
+            except Exception:
+                out = {"ok": False, "error": traceback.format_exc()}
+            out["id"] = msg["id"]
+            self.reply(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", required=True, choices=["mooncake", "nixl"])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--bootstrap-port", type=int, required=True)
+    parser.add_argument("--ctl-fd", type=int, required=True)
+    args = parser.parse_args()
+
+    _die_with_parent()
+    pd_setup.apply_loopback_env()
+    from multiprocessing.connection import Connection
+
+    conn = Connection(args.ctl_fd)
+    worker = Worker(args, conn)
+    try:
+        worker.setup()
+    except BaseException:
+        conn.send({"id": 0, "event": "error", "error": traceback.format_exc()})
+        return 1
+    conn.send({"id": 0, "event": "ready", "pid": os.getpid()})
+    worker.serve()
+    # Threads of the KV manager and the bootstrap server are not joinable in
+    # a bounded time; the harness owns this process, so leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
