@@ -556,6 +556,7 @@ class DecodeSide:
         self.tracked: List[Tracked] = []
         self.transferring: List[Tracked] = []
         self.cycles: List[Cycle] = []
+        self.quarantined_tokens = 0
         self._by_decode_req: Dict[int, Tracked] = {}
         self._rooms = itertools.count(random.randrange(1 << 40, 1 << 50))
         self._closed = False
@@ -639,7 +640,15 @@ class DecodeSide:
         t.state = "failed"
         t.error = message
         t.t_done = now
-        self._release(t)
+        if t.t_metadata is None:
+            self._release(t)
+        else:
+            # The prefill holds these KV and metadata slots as its destination
+            # and may still write them (e.g. once resumed); real decode defers
+            # such a release too. Keep them out of the allocators for good.
+            self.quarantined_tokens += t.num_tokens
+            t.kv_indices = None
+            t.metadata_index = None
 
     def _release(self, t: Tracked) -> None:
         if t.kv_indices is not None:
@@ -773,7 +782,9 @@ class DecodeSide:
         """Bring ``addr`` back to first contact: the real heartbeat-failure
         eviction (``_handle_node_failure``), plus the queue's retry state."""
         self.kv_manager._handle_node_failure(addr)
-        self.queue._clear_ensure_state(addr)
+        # Stock has no _clear_ensure_state(); both variants have the dicts.
+        self.queue._ensure_retry_count.pop(addr, None)
+        self.queue._ensure_last_attempt_time.pop(addr, None)
 
     def fetch_in_flight(self, addr: str) -> bool:
         inflight = getattr(self.kv_manager, "_parallel_info_inflight", None)

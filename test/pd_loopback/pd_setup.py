@@ -47,7 +47,7 @@ MODEL_CONFIG = {
 
 POOL_TOKENS = 1024
 PAGE_SIZE = 1
-METADATA_SLOTS = 64
+METADATA_SLOTS = 256
 
 # Read by the Mooncake transfer engine and by get_local_ip_auto(): set before
 # any sglang import in every process of the harness.
