@@ -32,7 +32,9 @@ exercise)
   from a real ``TokenToKVPoolAllocator`` and a metadata slot, call
   ``kv_receiver.send_metadata``, poll the receiver, drop aborted requests from
   ``queue``/``pending_reqs``. ``step()`` is the "decode scheduling call" whose
-  duration the tests bound and the bench reports.
+  duration the tests bound and the bench reports; ``add()`` calls are timed
+  too. Both record the socket connects the calling (scheduler) thread makes,
+  through the interpreter's ``socket.connect`` audit event.
 - ``kv_manager.prefill_info_table`` is swapped for a dict subclass that
   timestamps insertions (observation only: when a fetch landed).
 
@@ -480,8 +482,60 @@ class Tracked:
 
 @dataclass
 class Cycle:
+    """One timed call on the scheduler thread (a ``step()`` or an ``add()``)."""
+
     start: float  # perf_counter at entry
     duration: float
+    cpu: float = 0.0  # this thread's CPU time during the call
+    # (host, port) of every socket.connect() this thread made during the call
+    connects: Tuple[Tuple[str, int], ...] = ()
+
+
+# Network calls made by the scheduler thread, seen through the interpreter's
+# "socket.connect" audit event (raised by every Python-level connect, so by
+# requests/urllib3; not by libzmq or the transfer engines). Audit hooks cannot
+# be removed, so one is installed per process and is a no-op outside a
+# recorded call.
+_RECORDING: Optional[Tuple[int, list]] = None
+_AUDIT_INSTALLED = False
+
+
+def _audit_hook(event, args):
+    if event == "socket.connect":
+        rec = _RECORDING
+        if rec is not None and threading.get_ident() == rec[0]:
+            address = args[1]
+            if isinstance(address, tuple) and len(address) >= 2:
+                rec[1].append((str(address[0]), int(address[1])))
+
+
+def _install_audit_hook() -> None:
+    global _AUDIT_INSTALLED
+    if not _AUDIT_INSTALLED:
+        sys.addaudithook(_audit_hook)
+        _AUDIT_INSTALLED = True
+
+
+class _Recorded:
+    """Times a call on the current thread and collects its socket connects."""
+
+    def __enter__(self):
+        global _RECORDING
+        self.connects: list = []
+        _RECORDING = (threading.get_ident(), self.connects)
+        self.cpu0 = time.thread_time()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        global _RECORDING
+        self.t1 = time.perf_counter()
+        self.cpu = time.thread_time() - self.cpu0
+        _RECORDING = None
+        return False
+
+    def cycle(self) -> Cycle:
+        return Cycle(self.t0, self.t1 - self.t0, self.cpu, tuple(self.connects))
 
 
 class DecodeSide:
@@ -556,7 +610,9 @@ class DecodeSide:
         self.tracked: List[Tracked] = []
         self.transferring: List[Tracked] = []
         self.cycles: List[Cycle] = []
+        self.adds: List[Cycle] = []
         self.quarantined_tokens = 0
+        _install_audit_hook()
         self._by_decode_req: Dict[int, Tracked] = {}
         self._rooms = itertools.count(random.randrange(1 << 40, 1 << 50))
         self._closed = False
@@ -598,7 +654,9 @@ class DecodeSide:
             t_add=time.perf_counter(),
         )
         before = len(self.queue.queue)
-        self.queue.add(req)
+        with _Recorded() as rec:
+            self.queue.add(req)
+        self.adds.append(rec.cycle())
         assert len(self.queue.queue) == before + 1, "add() did not enqueue"
         t.decode_req = self.queue.queue[-1]
         self._by_decode_req[id(t.decode_req)] = t
@@ -611,16 +669,17 @@ class DecodeSide:
     # -- the scheduling call ----------------------------------------------
 
     def step(self) -> Cycle:
-        """One decode scheduling call over the prealloc path, timed."""
-        t0 = time.perf_counter()
+        """One decode scheduling call over the prealloc path, timed, with the
+        socket connects it made on this thread."""
         pending_before = {id(r) for r in self.queue.pending_reqs}
-        self.queue._resolve_pending_reqs()
-        self.queue._update_handshake_waiters()
-        pending_after = {id(r) for r in self.queue.pending_reqs}
-        self._drop_failed()
-        self._prealloc()
-        self._poll_transfers()
-        t1 = time.perf_counter()
+        with _Recorded() as rec:
+            self.queue._resolve_pending_reqs()
+            self.queue._update_handshake_waiters()
+            pending_after = {id(r) for r in self.queue.pending_reqs}
+            self._drop_failed()
+            self._prealloc()
+            self._poll_transfers()
+        t1 = rec.t1
         # Left pending_reqs in this call: its receiver was initialised (or it
         # was aborted, which _drop_failed has recorded by now).
         for key in pending_before - pending_after:
@@ -632,7 +691,7 @@ class DecodeSide:
             t.t_admitted = t1
             if t.state == "pending":
                 t.state = "admitted"
-        cycle = Cycle(t0, t1 - t0)
+        cycle = rec.cycle()
         self.cycles.append(cycle)
         return cycle
 
@@ -778,6 +837,26 @@ class DecodeSide:
     def run_for(self, seconds: float, period_s: float = 0.005) -> None:
         self.run(lambda: False, seconds, period_s)
 
+    def abort_all(self, reason: str = "aborted by the harness") -> int:
+        """Abort every unfinished request (receiver ``abort()`` + ``clear()``)
+        and drop it from the queue; returns how many there were."""
+        now = time.perf_counter()
+        left = [t for t in self.tracked if not t.finished]
+        ids = {id(t.decode_req) for t in left}
+        for t in left:
+            receiver = t.decode_req.kv_receiver
+            if receiver is not None:
+                receiver.abort()
+                receiver.clear()
+                t.decode_req.kv_receiver = None
+            self._fail(t, reason, now)
+        self.queue.queue = [r for r in self.queue.queue if id(r) not in ids]
+        self.queue.pending_reqs = [
+            r for r in self.queue.pending_reqs if id(r) not in ids
+        ]
+        self.transferring = [t for t in self.transferring if not t.finished]
+        return len(left)
+
     def forget_prefill(self, addr: str) -> None:
         """Bring ``addr`` back to first contact: the real heartbeat-failure
         eviction (``_handle_node_failure``), plus the queue's retry state."""
@@ -792,6 +871,20 @@ class DecodeSide:
 
     def max_cycle(self, since: float = 0.0) -> float:
         return max((c.duration for c in self.cycles if c.start >= since), default=0.0)
+
+    def scheduler_connects(
+        self, port: Optional[int] = None, since: float = 0.0, until: float = None
+    ) -> List[Tuple[float, Tuple[str, int]]]:
+        """(time, address) of socket connects made inside ``step()`` or
+        ``add()`` between ``since`` and ``until``, optionally to ``port``."""
+        out = []
+        for c in self.cycles + self.adds:
+            if c.start < since or (until is not None and c.start > until):
+                continue
+            for address in c.connects:
+                if port is None or address[1] == port:
+                    out.append((c.start, address))
+        return sorted(out)
 
     def close(self) -> None:
         if self._closed:

@@ -4,8 +4,10 @@ Each backend's test class starts two prefill processes (``prefill0`` is the one
 that gets frozen or faulted, ``prefill1`` stays healthy) and the decode side
 in-process once, and brings the decode back to "first contact" with both
 prefills before every test. Every test also checks that no decode scheduling
-call (``DecodeSide.step()``) took longer than ``CYCLE_BOUND_S``, far below
-the 5 s HTTP timeout a blocking call would cost.
+call (``DecodeSide.step()`` or ``add()``) took longer than ``CYCLE_BOUND_S``,
+far below the 5 s HTTP timeout a blocking call would cost; the fault tests
+also check that the scheduler thread opened no connection to the faulty
+bootstrap server while it was faulty (a timing-independent check).
 
 These cases describe the patched behaviour. Against stock 0.5.23 the
 frozen/slow cases fail on the cycle bound (5 s stalls), the first-contact case
@@ -102,14 +104,26 @@ class LoopbackCases:
     # -- helpers ----------------------------------------------------------
 
     def assertCyclesBounded(self):
-        cycles = [c for c in self.decode.cycles if c.start >= self.t_start]
-        self.assertGreater(len(cycles), 0)
-        worst = max(c.duration for c in cycles)
+        d = self.decode
+        calls = [c for c in d.cycles + d.adds if c.start >= self.t_start]
+        self.assertGreater(len(calls), 0)
+        worst = max(calls, key=lambda c: c.duration)
         self.assertLess(
-            worst,
+            worst.duration,
             CYCLE_BOUND_S,
-            f"a decode scheduling call took {worst:.3f}s "
-            f"(bound {CYCLE_BOUND_S}s, {len(cycles)} calls)",
+            f"a decode scheduling call took {worst.duration:.3f}s "
+            f"(bound {CYCLE_BOUND_S}s, {len(calls)} calls; "
+            f"its CPU time {worst.cpu:.3f}s, connects {worst.connects})",
+        )
+
+    def assertNoSchedulerConnects(self, prefill, until=None):
+        """The scheduler thread opened no connection to ``prefill``'s
+        bootstrap server since the test started (up to ``until``)."""
+        connects = self.decode.scheduler_connects(
+            port=prefill.bootstrap_port, since=self.t_start, until=until
+        )
+        self.assertEqual(
+            connects, [], f"the scheduler thread connected to {prefill.addr}"
         )
 
     def assertTransferred(self, t: harness.Tracked):
@@ -164,6 +178,7 @@ class LoopbackCases:
             self.assertIn("Could not fetch prefill parallel info", r.error)
             self.assertNotIn("Aborted by AbortReq.", r.error)
             self.assertLess(r.t_done - r.t_add, budget + 3)
+        self.assertNoSchedulerConnects(self.faulty)
 
         self.faulty.resume()
         self.run_until(lambda: not self.decode.fetch_in_flight(self.faulty.addr), 10)
@@ -209,6 +224,7 @@ class LoopbackCases:
             self.assertEqual(r.state, "failed")
             self.assertIn(self.faulty.addr, r.error)
             self.assertIn("Could not fetch prefill parallel info", r.error)
+        self.assertNoSchedulerConnects(self.faulty)
 
         self.faulty.clear_fault()
         after = self.request(self.faulty)
@@ -232,6 +248,10 @@ class LoopbackCases:
             "the healthy prefill's request waited for the slow one",
         )
         self.assertGreaterEqual(slow.t_admitted - slow.t_add, delay)
+        # Until the slow parallel info landed (the per-rank lookups after it
+        # are the known gap of test_slow_rank_lookup).
+        landed = self.decode.kv_manager.prefill_info_table.set_times[self.faulty.addr]
+        self.assertNoSchedulerConnects(self.faulty, until=landed)
         self.assertCyclesBounded()
 
     @unittest.expectedFailure
