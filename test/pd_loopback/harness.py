@@ -33,8 +33,8 @@ exercise)
   ``kv_receiver.send_metadata``, poll the receiver, drop aborted requests from
   ``queue``/``pending_reqs``. ``step()`` is the "decode scheduling call" whose
   duration the tests bound and the bench reports; ``add()`` calls are timed
-  too. Both record the socket connects the calling (scheduler) thread makes,
-  through the interpreter's ``socket.connect`` audit event.
+  too. Both record the HTTP requests the calling (scheduler) thread sends,
+  through the interpreter's ``http.client.send`` audit event.
 - ``kv_manager.prefill_info_table`` is swapped for a dict subclass that
   timestamps insertions (observation only: when a fetch landed).
 
@@ -109,11 +109,13 @@ _LIVE_LOCK = threading.Lock()
 
 def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        for sig in (signal.SIGKILL,):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        # The child leads its own process group (start_new_session), so this
+        # reaches it and anything it started, and nothing else. SIGKILL also
+        # ends a SIGSTOPped process.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -487,26 +489,31 @@ class Cycle:
     start: float  # perf_counter at entry
     duration: float
     cpu: float = 0.0  # this thread's CPU time during the call
-    # (host, port) of every socket.connect() this thread made during the call
-    connects: Tuple[Tuple[str, int], ...] = ()
+    # (host, port) of every HTTP request this thread sent during the call
+    http: Tuple[Tuple[str, int], ...] = ()
 
 
-# Network calls made by the scheduler thread, seen through the interpreter's
-# "socket.connect" audit event (raised by every Python-level connect, so by
-# requests/urllib3; not by libzmq or the transfer engines). Audit hooks cannot
-# be removed, so one is installed per process and is a no-op outside a
-# recorded call.
+# HTTP requests made by the scheduler thread, seen through the interpreter's
+# "http.client.send" audit event: raised for every request that requests /
+# urllib3 sends, over a new or a pooled keep-alive connection alike (libzmq
+# and the transfer engines are not seen). Audit hooks cannot be removed, so
+# one is installed per process and is a no-op outside a recorded call.
 _RECORDING: Optional[Tuple[int, list]] = None
 _AUDIT_INSTALLED = False
+_REQUEST_LINE_STARTS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"PATCH ")
 
 
 def _audit_hook(event, args):
-    if event == "socket.connect":
+    if event == "http.client.send":
         rec = _RECORDING
         if rec is not None and threading.get_ident() == rec[0]:
-            address = args[1]
-            if isinstance(address, tuple) and len(address) >= 2:
-                rec[1].append((str(address[0]), int(address[1])))
+            conn, data = args
+            # One event per request: the block holding the request line
+            # (a body may follow in further sends).
+            if isinstance(data, (bytes, bytearray)) and data.startswith(
+                _REQUEST_LINE_STARTS
+            ):
+                rec[1].append((str(conn.host), int(conn.port)))
 
 
 def _install_audit_hook() -> None:
@@ -517,12 +524,12 @@ def _install_audit_hook() -> None:
 
 
 class _Recorded:
-    """Times a call on the current thread and collects its socket connects."""
+    """Times a call on the current thread and collects its HTTP requests."""
 
     def __enter__(self):
         global _RECORDING
-        self.connects: list = []
-        _RECORDING = (threading.get_ident(), self.connects)
+        self.http: list = []
+        _RECORDING = (threading.get_ident(), self.http)
         self.cpu0 = time.thread_time()
         self.t0 = time.perf_counter()
         return self
@@ -535,7 +542,7 @@ class _Recorded:
         return False
 
     def cycle(self) -> Cycle:
-        return Cycle(self.t0, self.t1 - self.t0, self.cpu, tuple(self.connects))
+        return Cycle(self.t0, self.t1 - self.t0, self.cpu, tuple(self.http))
 
 
 class DecodeSide:
@@ -670,7 +677,7 @@ class DecodeSide:
 
     def step(self) -> Cycle:
         """One decode scheduling call over the prealloc path, timed, with the
-        socket connects it made on this thread."""
+        HTTP requests it sent from this thread."""
         pending_before = {id(r) for r in self.queue.pending_reqs}
         with _Recorded() as rec:
             self.queue._resolve_pending_reqs()
@@ -872,16 +879,16 @@ class DecodeSide:
     def max_cycle(self, since: float = 0.0) -> float:
         return max((c.duration for c in self.cycles if c.start >= since), default=0.0)
 
-    def scheduler_connects(
+    def scheduler_http(
         self, port: Optional[int] = None, since: float = 0.0, until: float = None
     ) -> List[Tuple[float, Tuple[str, int]]]:
-        """(time, address) of socket connects made inside ``step()`` or
-        ``add()`` between ``since`` and ``until``, optionally to ``port``."""
+        """(call start, address) of HTTP requests sent from inside ``step()``
+        or ``add()`` between ``since`` and ``until``, optionally to ``port``."""
         out = []
         for c in self.cycles + self.adds:
             if c.start < since or (until is not None and c.start > until):
                 continue
-            for address in c.connects:
+            for address in c.http:
                 if port is None or address[1] == port:
                     out.append((c.start, address))
         return sorted(out)
