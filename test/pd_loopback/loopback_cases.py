@@ -6,7 +6,7 @@ in-process once, and brings the decode back to "first contact" with both
 prefills before every test. Every test also checks that no decode scheduling
 call (``DecodeSide.step()`` or ``add()``) took longer than ``CYCLE_BOUND_S``,
 far below the 5 s HTTP timeout a blocking call would cost; the fault tests
-also check that the scheduler thread opened no connection to the faulty
+also check that the scheduler thread sent no HTTP request to the faulty
 bootstrap server while it was faulty (a timing-independent check).
 
 These cases describe the patched behaviour. Against stock 0.5.23 the
@@ -81,6 +81,8 @@ class LoopbackCases:
                 p.resume()
             p.clear_fault()
         d = self.decode
+        # Requests a failed test left behind must not leak into this one.
+        d.abort_all()
         # Let fetches a previous test left outstanding finish, then forget
         # both prefills the way a heartbeat failure does.
         self.assertTrue(
@@ -113,18 +115,16 @@ class LoopbackCases:
             CYCLE_BOUND_S,
             f"a decode scheduling call took {worst.duration:.3f}s "
             f"(bound {CYCLE_BOUND_S}s, {len(calls)} calls; "
-            f"its CPU time {worst.cpu:.3f}s, connects {worst.connects})",
+            f"its CPU time {worst.cpu:.3f}s, HTTP requests {worst.http})",
         )
 
-    def assertNoSchedulerConnects(self, prefill, until=None):
-        """The scheduler thread opened no connection to ``prefill``'s
+    def assertNoSchedulerHTTP(self, prefill, until=None):
+        """The scheduler thread sent no HTTP request to ``prefill``'s
         bootstrap server since the test started (up to ``until``)."""
-        connects = self.decode.scheduler_connects(
+        sent = self.decode.scheduler_http(
             port=prefill.bootstrap_port, since=self.t_start, until=until
         )
-        self.assertEqual(
-            connects, [], f"the scheduler thread connected to {prefill.addr}"
-        )
+        self.assertEqual(sent, [], f"the scheduler thread called {prefill.addr}")
 
     def assertTransferred(self, t: harness.Tracked):
         self.assertEqual(t.state, "success", t.error)
@@ -178,7 +178,7 @@ class LoopbackCases:
             self.assertIn("Could not fetch prefill parallel info", r.error)
             self.assertNotIn("Aborted by AbortReq.", r.error)
             self.assertLess(r.t_done - r.t_add, budget + 3)
-        self.assertNoSchedulerConnects(self.faulty)
+        self.assertNoSchedulerHTTP(self.faulty)
 
         self.faulty.resume()
         self.run_until(lambda: not self.decode.fetch_in_flight(self.faulty.addr), 10)
@@ -224,7 +224,7 @@ class LoopbackCases:
             self.assertEqual(r.state, "failed")
             self.assertIn(self.faulty.addr, r.error)
             self.assertIn("Could not fetch prefill parallel info", r.error)
-        self.assertNoSchedulerConnects(self.faulty)
+        self.assertNoSchedulerHTTP(self.faulty)
 
         self.faulty.clear_fault()
         after = self.request(self.faulty)
@@ -251,7 +251,7 @@ class LoopbackCases:
         # Until the slow parallel info landed (the per-rank lookups after it
         # are the known gap of test_slow_rank_lookup).
         landed = self.decode.kv_manager.prefill_info_table.set_times[self.faulty.addr]
-        self.assertNoSchedulerConnects(self.faulty, until=landed)
+        self.assertNoSchedulerHTTP(self.faulty, until=landed)
         self.assertCyclesBounded()
 
     @unittest.expectedFailure
