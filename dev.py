@@ -9,6 +9,8 @@
     python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
         The main job: two prefill servers, one decode and the PD router on this
         machine, one prefill frozen mid-run; stock, then patched (tools/demo_pd.py).
+    python3 dev.py bench [--quick]
+        The scheduler stall benchmark on real PD over loopback, stock and patched.
 
 The env is a venv at ``$SGLANG_PD_PATCH_CACHE/venv`` (default
 ``~/.cache/sglang-pd-patch``), shared by every clone on the machine. It holds the
@@ -37,6 +39,8 @@ CACHE_ENV = "SGLANG_PD_PATCH_CACHE"
 LOCK_HELD_ENV = "SGLANG_PD_PATCH_LOCK_HELD"
 VARIANTS = ("stock", "patched")
 UNIT_TESTS = "test/registered/unit/disaggregation"
+# Real PD on loopback: prefill processes + in-process decode, both backends.
+LOOPBACK_TESTS = "test/pd_loopback"
 TOOL_TESTS = "tests"
 PYTHON_VERSION = (3, 11)
 # The patch's own tree in sglang (excluded from the variant source fingerprint).
@@ -271,7 +275,9 @@ def cmd_test(pytest_args: list[str]) -> int:
     with cache_lock(cache):
         python = ensure_env_locked(cache)
         install_patch_locked(python, cache)
-        paths = [p for p in (UNIT_TESTS, TOOL_TESTS) if (REPO / p).is_dir()]
+        paths = [
+            p for p in (UNIT_TESTS, LOOPBACK_TESTS, TOOL_TESTS) if (REPO / p).is_dir()
+        ]
         if not (REPO / UNIT_TESTS).is_dir():
             log(f"{UNIT_TESTS}/ does not exist yet: skipped")
         test_start = time.monotonic()
@@ -527,9 +533,42 @@ def cmd_demo(argv: list[str]) -> int:
     return 0
 
 
+def cmd_bench(argv: list[str]) -> int:
+    """tools/bench_stall.py against stock 0.5.23 and the patch, then the report."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 dev.py bench")
+    ap.add_argument("--quick", action="store_true", help="~3 min instead of ~6")
+    ap.add_argument("--out", type=Path, default=REPO / "bench-out")
+    args, rest = ap.parse_known_args(argv)
+    start = time.monotonic()
+    ensure_system_packages()
+    out = args.out.resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    runs = side_by_side(
+        REPO / "tools" / "bench_stall.py",
+        [*(["--quick"] if args.quick else []), *rest],
+        variant_args={v: ["--out", str(out / f"{v}.json")] for v in VARIANTS},
+    )
+    failed = [v for v, run in runs.items() if run.returncode != 0]
+    if failed:
+        log(f"bench failed for {failed}")
+        return 1
+    python = venv_python(cache_dir())
+    report = [python, REPO / "tools" / "bench_report.py"]
+    report += ["--stock", out / "stock.json", "--patched", out / "patched.json"]
+    if _run([*report, "--out", out / "report.md"], env=tool_env()) != 0:
+        return 1
+    log(f"report: {out / 'report.md'} (plot beside it)")
+    log(f"whole bench took {time.monotonic() - start:.0f} s")
+    return 0
+
+
 USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
-       python3 dev.py demo [--backend nixl] [--quick] [--out DIR]"""
+       python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
+       python3 dev.py bench [--quick] [--out DIR]"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -538,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_test(argv[1:])
     if argv[:1] == ["demo"]:
         return cmd_demo(argv[1:])
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     if argv[:1] == ["side-by-side"] and len(argv) >= 2:
         runs = side_by_side(argv[1], argv[2:])
         return 0 if all(r.returncode == 0 for r in runs.values()) else 1

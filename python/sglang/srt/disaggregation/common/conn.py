@@ -1432,6 +1432,12 @@ class CommonKVManager(BaseKVManager):
         """Single non-blocking attempt to fetch and cache prefill parallel info.
         Returns True if info is cached. Otherwise submits at most one background
         fetch per addr and returns False; callers retry on a later cycle."""
+        # The steady-state call, kept as cheap as 0.5.23's dict lookup.
+        if (
+            self._parallel_info_fatal is None
+            and bootstrap_addr in self.prefill_info_table
+        ):
+            return True
         return self._try_ensure_fetched(
             self.prefill_info_table,
             self._parallel_info_inflight,
