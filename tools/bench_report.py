@@ -215,8 +215,8 @@ def report(stock, patched, png_name):
         "never accept (the same TCP behaviour). `HTTP` counts requests the "
         "scheduler thread sent to a frozen bootstrap server; *max w/o HTTP* "
         "leaves out the cycles in which the scheduler thread sent any HTTP "
-        "request (on patched: the per-rank `/route` lookup that admitting the "
-        "healthy prefill's first request still makes, see P5). The CPU columns "
+        "request (0 on patched: the per-rank `/route` lookups run in the "
+        "background too, see P5). The CPU columns "
         "are the scheduler thread's own CPU time per cycle: a cycle that took "
         "much longer than its CPU time was waiting (network, GIL, or a CPU "
         "taken by other processes on a shared host). *Fetch threads started*: "
@@ -350,7 +350,7 @@ def report(stock, patched, png_name):
     )
     lines += [
         "",
-        "## P5: slow per-rank `/route` lookup (not covered by the patch)",
+        "## P5: slow per-rank `/route` lookup",
         "",
         "The healthy prefill's bootstrap server answers the per-rank lookups "
         "of `CommonKVReceiver.init` -> `_get_bootstrap_info_from_server` "
