@@ -501,6 +501,20 @@ def cpu_enabled_stock_files(cache: Path) -> Path:
     return root / core.REPO_DISAGG_SUBDIR
 
 
+def _run_both(tool: str, args, variant_args, stock_files=None) -> bool:
+    """tools/<tool> against stock and patched; False (logged) if either failed."""
+    runs = side_by_side(
+        REPO / "tools" / tool,
+        args,
+        variant_args=variant_args,
+        stock_files=stock_files,
+    )
+    failed = [v for v, run in runs.items() if run.returncode != 0]
+    if failed:
+        log(f"tools/{tool} failed for {failed}")
+    return not failed
+
+
 def cmd_demo(argv: list[str]) -> int:
     import argparse
 
@@ -514,15 +528,13 @@ def cmd_demo(argv: list[str]) -> int:
     out = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     common = ["--backend", args.backend, *(["--quick"] if args.quick else []), *rest]
-    runs = side_by_side(
-        REPO / "tools" / "demo_pd.py",
+    if not _run_both(
+        "demo_pd.py",
         common,
-        variant_args={v: ["--out", str(out / v)] for v in VARIANTS},
+        {v: ["--out", str(out / v)] for v in VARIANTS},
         stock_files=cpu_enabled_stock_files(cache_dir()),
-    )
-    failed = [v for v, run in runs.items() if run.returncode != 0]
-    if failed:
-        log(f"demo failed for {failed}; logs are in {out}")
+    ):
+        log(f"logs are in {out}")
         return 1
     python = venv_python(cache_dir())
     report = [python, REPO / "tools" / "demo_report.py", out / "stock"]
@@ -546,14 +558,11 @@ def cmd_bench(argv: list[str]) -> int:
     out = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    runs = side_by_side(
-        REPO / "tools" / "bench_stall.py",
+    if not _run_both(
+        "bench_stall.py",
         [*(["--quick"] if args.quick else []), *rest],
-        variant_args={v: ["--out", str(out / f"{v}.json")] for v in VARIANTS},
-    )
-    failed = [v for v, run in runs.items() if run.returncode != 0]
-    if failed:
-        log(f"bench failed for {failed}")
+        {v: ["--out", str(out / f"{v}.json")] for v in VARIANTS},
+    ):
         return 1
     python = venv_python(cache_dir())
     report = [python, REPO / "tools" / "bench_report.py"]

@@ -44,17 +44,13 @@ import psutil
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # sglang_pd_patch, when run by path
+from sglang_pd_patch.core import load_manifest  # noqa: E402
+
 sys.path.insert(0, str(REPO / "tools"))
 from tiny_model import ensure_tiny_gpt2  # noqa: E402
 
 HOST = "127.0.0.1"
-PATCH_FILES = (
-    "common/conn.py",
-    "decode.py",
-    "nixl/conn.py",
-    "mooncake/conn.py",
-    "mori/conn.py",
-)
 DISAGG = "python/sglang/srt/disaggregation"
 WORDS = (
     "the decode scheduler thread never waits on the network a prefill server "
@@ -211,8 +207,9 @@ def describe_variant() -> dict:
 
     pkg = Path(sglang.__file__).resolve().parent
     disagg = pkg / "srt" / "disaggregation"
-    shas = {rel: _sha(disagg / rel) for rel in PATCH_FILES}
-    repo_shas = {rel: _sha(REPO / DISAGG / rel) for rel in PATCH_FILES}
+    rels = load_manifest().rels
+    shas = {rel: _sha(disagg / rel) for rel in rels}
+    repo_shas = {rel: _sha(REPO / DISAGG / rel) for rel in rels}
     label = os.environ.get("SGLANG_PD_VARIANT")
     if not label:
         label = "patched" if shas == repo_shas else "stock"
