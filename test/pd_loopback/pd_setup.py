@@ -196,7 +196,7 @@ def _common_kv_args(backend: str, pool, metadata_buffers):
     return kv_args
 
 
-def make_prefill_manager(backend: str, server_args, pool, metadata_buffers):
+def _make_manager(mode: str, backend: str, server_args, pool, metadata_buffers):
     from sglang.srt.disaggregation.utils import (
         DisaggregationMode,
         KVClassType,
@@ -207,32 +207,25 @@ def make_prefill_manager(backend: str, server_args, pool, metadata_buffers):
 
     kv_args = _common_kv_args(backend, pool, metadata_buffers)
     kv_args.engine_rank = 0
-    kv_args.rust_http_port = None
-    kv_args.prefill_start_layer = pool.start_layer
-    kv_args.prefill_end_layer = getattr(pool, "end_layer", None)
-    kv_args.kv_head_num = pool.head_num
-    kv_args.total_kv_head_num = HEAD_NUM
-    setup_state_kv_args(kv_args, pool, None, NUM_LAYERS, req_to_token_pool=None)
-    manager_class = get_kv_class(TransferBackend(backend), KVClassType.MANAGER)
-    return manager_class(kv_args, DisaggregationMode.PREFILL, server_args, False)
-
-
-def make_decode_manager(backend: str, server_args, pool, metadata_buffers):
-    from sglang.srt.disaggregation.utils import (
-        DisaggregationMode,
-        KVClassType,
-        TransferBackend,
-        get_kv_class,
-        setup_state_kv_args,
-    )
-
-    kv_args = _common_kv_args(backend, pool, metadata_buffers)
-    kv_args.engine_rank = 0
+    if mode == "prefill":
+        kv_args.rust_http_port = None
+        kv_args.prefill_start_layer = pool.start_layer
+        kv_args.prefill_end_layer = getattr(pool, "end_layer", None)
+        kv_args.kv_head_num = pool.head_num
+        kv_args.total_kv_head_num = HEAD_NUM
     setup_state_kv_args(
         kv_args, pool, None, total_kv_layers=NUM_LAYERS, req_to_token_pool=None
     )
     manager_class = get_kv_class(TransferBackend(backend), KVClassType.MANAGER)
-    return manager_class(kv_args, DisaggregationMode.DECODE, server_args, False)
+    return manager_class(kv_args, DisaggregationMode(mode), server_args, False)
+
+
+def make_prefill_manager(backend: str, server_args, pool, metadata_buffers):
+    return _make_manager("prefill", backend, server_args, pool, metadata_buffers)
+
+
+def make_decode_manager(backend: str, server_args, pool, metadata_buffers):
+    return _make_manager("decode", backend, server_args, pool, metadata_buffers)
 
 
 def kv_pattern(room: int, num_tokens: int):
