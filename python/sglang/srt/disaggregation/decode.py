@@ -1238,7 +1238,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 continue
 
             # Decide the abort before spending an attempt: no fetch is in
-            # flight here, so every attempt has finished.
+            # flight here (or it is overdue), so every attempt has ended.
             count = self._ensure_retry_count.get(key, 0)
             if count >= self._max_ensure_retries:
                 # The last fetch may have published since the check above.

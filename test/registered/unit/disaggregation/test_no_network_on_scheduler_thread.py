@@ -434,5 +434,101 @@ class TestHungPrefills(_Base):
         self.assertEqual(len(fake.calls), 1)
 
 
+class TestFetchTimeBound(_Base):
+    """BOOTSTRAP_FETCH_TIMEOUT_S bounds how long a query holds its requests;
+    requests' own timeout bounds only connect and each read."""
+
+    def setUp(self):
+        super().setUp()
+        # Deadlines read the same fake clock as the retry loop.
+        patcher = mock.patch.object(conn_mod, "time", self.clock)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_an_overdue_fetch_spends_the_budget_without_a_second_fetch(self):
+        fake = self.patch_get(FakeGet("block"))
+        self.queue._max_ensure_retries = 2
+        req = SimpleNamespace(kv_receiver=mock.MagicMock())
+        addr_to_reqs = {ADDR: [req]}
+
+        self.queue._ensure_prefill_info(addr_to_reqs)
+        self.assertTrue(fake.entered.wait(_WAIT_S))
+        # Within the bound, waiting spends no attempt.
+        for _ in range(conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S - 1):
+            self.clock.now += 1.0
+            self.queue._ensure_prefill_info(addr_to_reqs)
+        self.assertEqual(self.queue._ensure_retry_count[ADDR], 1)
+        req.kv_receiver.abort.assert_not_called()
+
+        # Past it, each retry interval is a failed attempt: the budget ends.
+        for _ in range(3):
+            self.clock.now += 1.0
+            self.queue._ensure_prefill_info(addr_to_reqs)
+
+        req.kv_receiver.abort.assert_called_once()
+        self.assertIn(
+            f"Could not fetch prefill parallel info from {ADDR} after 2 attempts",
+            req.kv_receiver.abort.call_args.kwargs["failure_reason"],
+        )
+        self.assertEqual(len(fake.calls), 1)
+        self.assertFalse(self.mgr.has_parallel_info(ADDR))
+
+        # The late answer is still good: it is cached for the next requests.
+        fake.release.set()
+        drain(self.mgr)
+        self.assertTrue(self.mgr.has_parallel_info(ADDR))
+        self.assertEqual(self.mgr._fetch_deadlines, {})
+
+    def test_route_lookups_stop_at_the_bound(self):
+        info = conn_mod.PrefillServerInfo(**DP_TP_INFO)
+        self.mgr._resolve_rank_mapping(info)
+        self.mgr.prefill_info_table[ADDR] = info
+        calls = []
+
+        def slow_route(dp_rank, cp_rank, tp_rank, pp_rank):
+            calls.append(tp_rank)
+            # The first lookup returns past the bound: no second one starts.
+            self.clock.now += conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S + 1
+            return {"rank_ip": "127.0.0.1", "rank_port": 1, "pp_rank": pp_rank}
+
+        receiver = CommonKVReceiver(self.mgr, ADDR, 1)
+        with mock.patch.object(
+            CommonKVReceiver,
+            "_get_bootstrap_info_from_server",
+            mock.Mock(side_effect=slow_route),
+        ):
+            self.assertFalse(self.mgr.try_ensure_bootstrap_infos(receiver, 0))
+            drain(self.mgr)
+
+        self.assertEqual(calls, [0])
+        self.assertFalse(self.mgr.has_bootstrap_infos(ADDR, 0))
+        self.assertFalse(self.mgr.bootstrap_infos_fetch_in_flight(ADDR, 0))
+
+
+class TestFetchWorkersStartUpFront(CustomTestCase):
+    def test_submit_starts_no_thread_on_the_calling_thread(self):
+        workers = 4
+        executor = ThreadPoolExecutor(max_workers=workers)
+        self.addCleanup(executor.shutdown, wait=False)
+        release = threading.Event()
+        self.addCleanup(release.set)
+        conn_mod._start_all_workers(executor, workers)
+
+        started = []
+        original = threading.Thread.start
+
+        def start(thread):
+            started.append(thread)
+            return original(thread)
+
+        with mock.patch.object(threading.Thread, "start", start):
+            # Every worker busy at once: none may be started lazily here.
+            futures = [executor.submit(release.wait, _WAIT_S) for _ in range(workers)]
+        release.set()
+        for future in futures:
+            self.assertTrue(future.result(timeout=_WAIT_S))
+        self.assertEqual(started, [])
+
+
 if __name__ == "__main__":
     unittest.main()

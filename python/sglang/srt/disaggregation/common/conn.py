@@ -82,6 +82,11 @@ ABORT_ACK_TAG = b"ABORT_ACK"
 # A hung prefill keeps only its own queries waiting, so size the pool well
 # above the number of prefills that can hang at once.
 BOOTSTRAP_FETCH_WORKERS = 64
+# requests' timeout=5 bounds connect and each read, not a query's total time.
+# Past this bound a query still running no longer holds its requests: each
+# retry interval counts as a failed attempt, so a peer that answers byte by
+# byte cannot keep a request pending beyond its retry budget.
+BOOTSTRAP_FETCH_TIMEOUT_S = 10
 
 
 # Reuse a keep-alive session per bootstrap_addr for decode-side bootstrap queries
@@ -89,6 +94,17 @@ BOOTSTRAP_FETCH_WORKERS = 64
 # sockets and can exhaust ephemeral ports under high concurrency). Thread-local
 # because requests.Session is not safe for concurrent cross-thread use.
 _bootstrap_sessions = threading.local()
+
+
+def _start_all_workers(
+    executor: concurrent.futures.ThreadPoolExecutor, num_workers: int
+) -> None:
+    # ThreadPoolExecutor starts a worker inside submit() when none is idle,
+    # i.e. on the scheduler thread; start them all here instead.
+    started = threading.Event()
+    for _ in range(num_workers):
+        executor.submit(started.wait)
+    started.set()
 
 
 def _get_bootstrap_session(bootstrap_addr: str) -> requests.Session:
@@ -338,6 +354,9 @@ class CommonKVManager(BaseKVManager):
     # that a fetch already in flight does not republish what it got before.
     # Replaced on write, never mutated in place (this default is shared).
     _prefill_epochs: Dict[str, int] = {}
+    # When each outstanding bootstrap query stops holding its requests, by
+    # (id of its in-flight set, key). Replaced on write, like _prefill_epochs.
+    _fetch_deadlines: Dict[Tuple[int, Any], float] = {}
 
     def __init__(
         self,
@@ -534,6 +553,7 @@ class CommonKVManager(BaseKVManager):
                 max_workers=BOOTSTRAP_FETCH_WORKERS,
                 thread_name_prefix="pd-bootstrap-fetch",
             )
+            _start_all_workers(self._parallel_info_executor, BOOTSTRAP_FETCH_WORKERS)
             self._parallel_info_inflight: Set[str] = set()
             # A config mismatch found on the fetch thread, re-raised on the
             # scheduler thread by raise_parallel_info_error().
@@ -1426,7 +1446,16 @@ class CommonKVManager(BaseKVManager):
         # Read without the lock: a stale answer only costs a skipped cycle or
         # one extra call that the locked re-check in try_ensure_parallel_info
         # rejects.
-        return bootstrap_addr in self._parallel_info_inflight
+        return self._fetch_in_flight(self._parallel_info_inflight, bootstrap_addr)
+
+    def _fetch_in_flight(self, inflight: Set, key) -> bool:
+        """A query for ``key`` is outstanding and within its time bound
+        (BOOTSTRAP_FETCH_TIMEOUT_S). An overdue one keeps its in-flight marker,
+        so no second query starts, but its requests spend their budget."""
+        if key not in inflight:
+            return False
+        deadline = self._fetch_deadlines.get((id(inflight), key))
+        return deadline is None or time.monotonic() < deadline
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Single non-blocking attempt to fetch and cache prefill parallel info.
@@ -1470,6 +1499,10 @@ class CommonKVManager(BaseKVManager):
                 return False
             inflight.add(key)
             epoch = self._prefill_epochs.get(bootstrap_addr, 0)
+            self._fetch_deadlines = {
+                **self._fetch_deadlines,
+                (id(inflight), key): time.monotonic() + BOOTSTRAP_FETCH_TIMEOUT_S,
+            }
         self._parallel_info_executor.submit(publish, epoch)
         return False
 
@@ -1514,6 +1547,16 @@ class CommonKVManager(BaseKVManager):
                 if result is not None:
                     table[key] = result
                 inflight.discard(key)
+                deadlines = dict(self._fetch_deadlines)
+                deadline = deadlines.pop((id(inflight), key), None)
+                self._fetch_deadlines = deadlines
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning(
+                    f"A bootstrap query to [{bootstrap_addr}] ended more than "
+                    f"{BOOTSTRAP_FETCH_TIMEOUT_S} s after it started; its requests "
+                    f"spent their retry budget meanwhile. Check the prefill's "
+                    f"bootstrap server and the network between the two."
+                )
         return result
 
     def raise_parallel_info_error(self) -> None:
@@ -1703,7 +1746,7 @@ class CommonKVManager(BaseKVManager):
         self, bootstrap_addr: str, prefill_dp_rank: int
     ) -> bool:
         return any(
-            key in self._bootstrap_infos_inflight
+            self._fetch_in_flight(self._bootstrap_infos_inflight, key)
             for key, _ in self._bootstrap_keys(bootstrap_addr, prefill_dp_rank)
         )
 
@@ -1746,10 +1789,22 @@ class CommonKVManager(BaseKVManager):
         key: str,
         epoch: Optional[int],
     ) -> None:
+        deadline = self._fetch_deadlines.get(
+            (id(self._bootstrap_infos_inflight), key), float("inf")
+        )
+
         def fetch() -> Optional[Dict[Tuple[int, int], dict]]:
             infos = {}
             for target_tp_rank in info.target_tp_ranks:
                 for target_pp_rank in reversed(info.target_pp_ranks):
+                    # One lookup per rank: stop at the bound, not after all.
+                    if time.monotonic() > deadline:
+                        logger.error(
+                            f"Bootstrap info lookups to [{receiver.bootstrap_addr}] "
+                            f"took longer than {BOOTSTRAP_FETCH_TIMEOUT_S} s; "
+                            f"giving up on this attempt."
+                        )
+                        return None
                     bootstrap_info = receiver._get_bootstrap_info_from_server(
                         prefill_dp_rank, target_cp_rank, target_tp_rank, target_pp_rank
                     )
@@ -1771,7 +1826,7 @@ class CommonKVManager(BaseKVManager):
         return bootstrap_addr in self._prefill_dp_rank_answers
 
     def prefill_dp_rank_query_in_flight(self, bootstrap_addr: str) -> bool:
-        return bootstrap_addr in self._prefill_dp_rank_inflight
+        return self._fetch_in_flight(self._prefill_dp_rank_inflight, bootstrap_addr)
 
     def try_query_prefill_dp_ranks(
         self, bootstrap_addr: str, bootstrap_rooms: List[int]
