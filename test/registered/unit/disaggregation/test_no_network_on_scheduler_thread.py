@@ -382,6 +382,29 @@ class TestQueryPrefillDpRanks(CustomTestCase):
         self.assertEqual(self.query(FakeResponse(200, {"1": 1})), ({"1": 1}, {"1": 1}))
 
 
+class TestMalformedRoute(CustomTestCase):
+    def lookup(self, response):
+        session = mock.MagicMock()
+        session.get.return_value = response
+        receiver = CommonKVReceiver.__new__(CommonKVReceiver)
+        receiver.bootstrap_addr = ADDR
+        with mock.patch.object(
+            conn_mod, "_get_bootstrap_session", return_value=session
+        ):
+            return receiver._get_bootstrap_info_from_server(0, 0, 0, 0)
+
+    def test_a_malformed_route_is_a_failed_lookup_not_a_cached_route(self):
+        # init() reads rank_ip / rank_port on the scheduler thread: a route
+        # without them must never be cached.
+        for body in ({}, ["x"], {"rank_ip": "h", "rank_port": "x"}, {"rank_ip": "h"}):
+            with self.subTest(body=body):
+                self.assertIsNone(self.lookup(FakeResponse(200, body)))
+        self.assertEqual(
+            self.lookup(FakeResponse(200, {"rank_ip": "h", "rank_port": 7})),
+            {"rank_ip": "h", "rank_port": 7, "pp_rank": 0},
+        )
+
+
 class TestHungPrefills(_Base):
     def test_hung_prefills_do_not_delay_a_healthy_first_contact(self):
         hung = [f"127.0.1.{i}:8998" for i in range(8)]

@@ -204,6 +204,16 @@ class PrefillRankInfo:
         self.rank_port = int(self.rank_port)
 
 
+def _is_prefill_rank_info(bootstrap_info) -> bool:
+    if not isinstance(bootstrap_info, dict):
+        return False
+    try:
+        PrefillRankInfo(bootstrap_info["rank_ip"], bootstrap_info["rank_port"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
 class AckTarget(NamedTuple):
     ip: str
     port: int
@@ -3170,6 +3180,13 @@ class CommonKVReceiver(BaseKVReceiver):
             response = _get_bootstrap_session(self.bootstrap_addr).get(url, timeout=5)
             if response.status_code == 200:
                 bootstrap_info = response.json()
+                # Checked here: init() would raise on the scheduler thread.
+                if not _is_prefill_rank_info(bootstrap_info):
+                    logger.error(
+                        f"Malformed bootstrap info from {self.bootstrap_addr}: "
+                        f"{response.text[:200]}"
+                    )
+                    return None
                 bootstrap_info["pp_rank"] = int(target_pp_rank)
                 return bootstrap_info
             else:
