@@ -239,9 +239,10 @@ class PrefillProcess:
             _LIVE[self.proc.pid] = self.proc
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
-        threading.Thread(
+        self._reader_thread = threading.Thread(
             target=self._reader, name=f"{self.name}-ctl", daemon=True
-        ).start()
+        )
+        self._reader_thread.start()
         return self
 
     def _reader(self) -> None:
@@ -305,17 +306,23 @@ class PrefillProcess:
         *,
         delay_s: float = 0.0,
         status: int = 503,
+        body: str = "",
+        fields: Optional[dict] = None,
         paths: Optional[List[str]] = None,
         route_kind: Optional[str] = None,
     ) -> None:
-        """``mode``: "none", "delay" (sleep ``delay_s`` then answer) or "status"
-        (answer ``status`` at once). Applies to decode-facing GET/POST requests
-        on ``paths`` (default all); ``route_kind`` narrows ``/route`` to the
-        parallel-info query ("info") or the per-rank lookups ("rank")."""
+        """``mode``: "none", "delay" (sleep ``delay_s`` then answer), "status"
+        (answer ``status`` at once), "body" (answer 200 with ``body``) or
+        "patch_json" (the real answer with ``fields`` replaced). Applies to
+        decode-facing GET/POST requests on ``paths`` (default all);
+        ``route_kind`` narrows ``/route`` to the parallel-info query ("info")
+        or the per-rank lookups ("rank")."""
         spec = {
             "mode": mode,
             "delay_s": delay_s,
             "status": status,
+            "body": body,
+            "fields": fields or {},
             "paths": paths,
             "route_kind": route_kind,
         }
@@ -362,6 +369,18 @@ class PrefillProcess:
         if self.proc is not None:
             _kill_group(self.proc)
         self.frozen = False
+
+    def restart(self) -> "PrefillProcess":
+        """Kill this prefill and start a new process on the same ports (a new
+        KV manager, so new ZMQ rank ports). Call wait_ready() afterwards."""
+        self.kill()
+        # The old reader fails what is pending on EOF; let it finish first.
+        self._reader_thread.join(10)
+        self._conn.close()
+        self._ready = concurrent.futures.Future()
+        with self._pending_lock:
+            self._pending = {0: self._ready}
+        return self.start()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -492,6 +511,8 @@ class Cycle:
     cpu: float = 0.0  # this thread's CPU time during the call
     # (host, port) of every HTTP request this thread sent during the call
     http: Tuple[Tuple[str, int], ...] = ()
+    # threads this thread started during the call
+    threads_started: int = 0
 
 
 # HTTP requests made by the scheduler thread, seen through the interpreter's
@@ -499,7 +520,7 @@ class Cycle:
 # urllib3 sends, over a new or a pooled keep-alive connection alike (libzmq
 # and the transfer engines are not seen). Audit hooks cannot be removed, so
 # one is installed per process and is a no-op outside a recorded call.
-_RECORDING: Optional[Tuple[int, list]] = None
+_RECORDING: Optional[Tuple[int, list, list]] = None
 _AUDIT_INSTALLED = False
 _REQUEST_LINE_STARTS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"PATCH ")
 
@@ -521,7 +542,123 @@ def _install_audit_hook() -> None:
     global _AUDIT_INSTALLED
     if not _AUDIT_INSTALLED:
         sys.addaudithook(_audit_hook)
+        _install_thread_start_hook()
+        HTTP.install()
         _AUDIT_INSTALLED = True
+
+
+def _install_thread_start_hook() -> None:
+    # There is no audit event for a thread start; wrap Thread.start instead.
+    original = threading.Thread.start
+
+    def start(thread):
+        rec = _RECORDING
+        if rec is not None and threading.get_ident() == rec[0]:
+            rec[2].append(thread.name)
+        return original(thread)
+
+    threading.Thread.start = start
+
+
+def _http_kind(method: str, url: str) -> str:
+    path, _, query = url.partition("?")
+    if path.endswith("/route"):
+        return "info" if "prefill_dp_rank=-1" in query else "route"
+    if path.endswith("/query_dp_ranks"):
+        return "dp_ranks"
+    return path.rsplit("/", 1)[-1] or method
+
+
+class HttpLog:
+    """Every HTTP request this process sends through urllib3 (so requests),
+    from any thread: its kind, port, thread and duration, and the most ever
+    in flight at once per (port, kind). Kinds: "info" (parallel info),
+    "route" (per-rank lookup), "dp_ranks", and the last path segment of
+    anything else (e.g. "health")."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.current: Dict[Tuple[int, str], int] = {}
+        self.peak: Dict[Tuple[int, str], int] = {}
+        # (start, end, port, kind, thread name, error or None)
+        self.records: List[tuple] = []
+        self.first: Dict[int, float] = {}
+        self._installed = False
+
+    def install(self) -> None:
+        import urllib3
+
+        if self._installed:
+            return
+        self._installed = True
+        original = urllib3.connectionpool.HTTPConnectionPool.urlopen
+        log = self
+
+        def urlopen(pool, method, url, *args, **kwargs):
+            key = (int(pool.port), _http_kind(method, url))
+            with log.lock:
+                log.current[key] = log.current.get(key, 0) + 1
+                log.peak[key] = max(log.peak.get(key, 0), log.current[key])
+                t0 = time.perf_counter()
+                log.first.setdefault(key[0], t0)
+            error = None
+            try:
+                return original(pool, method, url, *args, **kwargs)
+            except BaseException as e:
+                error = type(e).__name__
+                raise
+            finally:
+                with log.lock:
+                    log.current[key] -= 1
+                    log.records.append(
+                        (
+                            t0,
+                            time.perf_counter(),
+                            key[0],
+                            key[1],
+                            threading.current_thread().name,
+                            error,
+                        )
+                    )
+
+        urllib3.connectionpool.HTTPConnectionPool.urlopen = urlopen
+
+    def reset_peaks(self) -> None:
+        with self.lock:
+            self.peak = dict(self.current)
+
+    def peaks(self, port: Optional[int] = None) -> Dict[str, int]:
+        """Most requests in flight at once since reset_peaks(), by kind."""
+        with self.lock:
+            return {
+                kind: n
+                for (p, kind), n in self.peak.items()
+                if port is None or p == port
+            }
+
+    def wait_idle(self, port: int, timeout_s: float) -> bool:
+        """Wait (bounded) until no request to ``port`` is in flight."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight(port):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def first_start(self, port: int) -> Optional[float]:
+        """When the first request to ``port`` started, if any."""
+        return self.first.get(port)
+
+    def in_flight(self, port: int, kind: Optional[str] = None) -> int:
+        with self.lock:
+            return sum(
+                n
+                for (p, k), n in self.current.items()
+                if p == port and (kind is None or k == kind)
+            )
+
+
+HTTP = HttpLog()
 
 
 class _Recorded:
@@ -530,7 +667,8 @@ class _Recorded:
     def __enter__(self):
         global _RECORDING
         self.http: list = []
-        _RECORDING = (threading.get_ident(), self.http)
+        self.threads: list = []
+        _RECORDING = (threading.get_ident(), self.http, self.threads)
         self.cpu0 = time.thread_time()
         self.t0 = time.perf_counter()
         return self
@@ -543,7 +681,9 @@ class _Recorded:
         return False
 
     def cycle(self) -> Cycle:
-        return Cycle(self.t0, self.t1 - self.t0, self.cpu, tuple(self.http))
+        return Cycle(
+            self.t0, self.t1 - self.t0, self.cpu, tuple(self.http), len(self.threads)
+        )
 
 
 class DecodeSide:
@@ -557,6 +697,7 @@ class DecodeSide:
         *,
         max_ensure_retries: Optional[int] = None,
         ensure_retry_interval: Optional[float] = None,
+        server_args: Optional[dict] = None,
     ):
         import torch  # noqa: F401  (sglang expects torch imported first)
         from sglang.srt.disaggregation.utils import (
@@ -573,6 +714,7 @@ class DecodeSide:
             model_path=model_path,
             port=free_port(),
             bootstrap_port=free_port(),
+            **(server_args or {}),
         )
         pd_setup.publish_process(self.server_args)
         from types import SimpleNamespace

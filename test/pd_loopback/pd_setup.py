@@ -95,7 +95,13 @@ def ensure_tiny_model(root: Optional[str] = None) -> str:
 
 
 def make_server_args(
-    *, mode: str, backend: str, model_path: str, port: int, bootstrap_port: int
+    *,
+    mode: str,
+    backend: str,
+    model_path: str,
+    port: int,
+    bootstrap_port: int,
+    **extra,
 ):
     from sglang.srt.server_args import ServerArgs
 
@@ -107,6 +113,7 @@ def make_server_args(
         disaggregation_mode=mode,
         disaggregation_transfer_backend=backend,
         disaggregation_bootstrap_port=bootstrap_port,
+        **extra,
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -87,6 +88,17 @@ def _make_bootstrap_server(backend: str, port: int):
                 return web.Response(
                     status=int(spec["status"]), text="injected by pd_loopback"
                 )
+            elif spec["mode"] == "body":
+                # A 200 answer with this body instead of the real one.
+                return web.Response(
+                    status=200, text=spec["body"], content_type="application/json"
+                )
+            elif spec["mode"] == "patch_json":
+                # The real answer with some fields replaced.
+                response = await handler(request)
+                data = json.loads(response.text)
+                data.update(spec["fields"])
+                return web.json_response(data)
         return await handler(request)
 
     class FaultInjectingBootstrapServer(server_class):
