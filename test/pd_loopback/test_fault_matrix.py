@@ -1,0 +1,140 @@
+"""The fault matrix (fault_matrix.py) on real PD over loopback, Mooncake: for
+each fault, before first contact and after the info was cached, nothing stalls
+the decode scheduling call and every request ends, admitted or failed with a
+clear error, within its retry budget.
+
+The NIXL backend runs with ``python3 dev.py faults --backend nixl``;
+``python3 dev.py faults`` also runs stock 0.5.23 and writes the
+stock-vs-patched report.
+
+Run: PYTHONPATH=<sglang variant dir>:<repo> python3 test/pd_loopback/test_fault_matrix.py
+"""
+
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fault_matrix  # noqa: E402
+from fault_matrix import CACHED, FAULTS, Fault  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+from sglang.test.test_utils import CustomTestCase  # noqa: E402
+
+register_cpu_ci(est_time=240, suite="pd-loopback-cpu")
+
+# Patched calls take milliseconds; one blocking fetch costs up to 5 s.
+CALL_BOUND_S = 0.5
+PARALLEL_INFO_FAILED = "Could not fetch prefill parallel info from <addr>"
+ROUTE_FAILED = "Could not fetch bootstrap info for prefill_dp_rank 0 from <addr>"
+LOST = "Lost connection with prefill instance (bootstrap_addr: <addr>)"
+FETCH_BOUND_S = 10  # common/conn.py BOOTSTRAP_FETCH_TIMEOUT_S
+
+
+class TestFaultMatrixMooncake(CustomTestCase):
+    BACKEND = "mooncake"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.matrix = fault_matrix.Matrix(cls.BACKEND).__enter__()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.matrix.__exit__(None, None, None)
+
+    def run_fault(self, fault: Fault) -> dict:
+        r = self.matrix.run(fault)
+        summary = {k: v for k, v in r.items() if k != "title"}
+        if fault.name.startswith("mismatch"):
+            # Fatal on the scheduler thread with sglang's message, as inline.
+            expected = {
+                "mismatch_page": "RuntimeError: Page size mismatch",
+                "mismatch_dtype": "RuntimeError: KV cache dtype mismatch",
+            }[fault.name]
+            self.assertTrue((r["fatal"] or "").startswith(expected), summary)
+        else:
+            self.assertIsNone(r["fatal"], summary)
+            self.assertEqual(r["pending_end"], 0, summary)
+            self.assertEqual(r["healthy"]["failed"], 0, summary)
+            self.assertTrue(r["healthy"]["kv_ok"], summary)
+        self.assertLess(r["longest_call_s"] or 0.0, CALL_BOUND_S, summary)
+        self.assertEqual(r["scheduler_http_to_faulty"], 0, summary)
+        self.assertEqual(r["scheduler_threads_started"], 0, summary)
+        for kind, n in r["max_in_flight"].items():
+            self.assertLessEqual(n, 1, f"{kind}: {summary}")
+        self.assertEqual(r["new_non_daemon_threads"], [], summary)
+        for message in r["failures"]:
+            self.assertTrue(
+                any(m in message for m in (PARALLEL_INFO_FAILED, ROUTE_FAILED, LOST)),
+                f"unclear failure message {message!r}: {summary}",
+            )
+        return r
+
+    def check_port_closed(self, r):
+        self.assertIn(PARALLEL_INFO_FAILED, "".join(r["failures"]))
+
+    def check_frozen(self, r, fault):
+        expected = LOST if fault.phase == CACHED else PARALLEL_INFO_FAILED
+        self.assertIn(expected, "".join(r["failures"]))
+        # The request made after SIGCONT is served.
+        self.assertGreaterEqual(r["faulty"]["transferred"], 1, r)
+
+    def check_slow_under(self, r):
+        self.assertEqual(r["failed"], 0, r)
+
+    def check_slow_over(self, r):
+        self.assertIn(PARALLEL_INFO_FAILED, "".join(r["failures"]))
+        self.assertGreaterEqual(r["faulty"]["transferred"], 1, r)
+
+    def check_status(self, r):
+        self.assertGreaterEqual(r["faulty"]["transferred"], 1, r)
+
+    def check_malformed(self, r):
+        self.assertGreaterEqual(r["faulty"]["failed"], 1, r)
+        self.assertTrue(r["extra"]["served_after_fix"], r)
+
+    def check_flapping(self, r):
+        self.assertGreater(r["faulty"]["total"], 4, r)
+
+    def check_eviction(self, r):
+        self.assertIs(r["extra"]["stale_republished"], False, r)
+
+    def check_restart(self, r):
+        self.assertTrue(r["extra"]["served_after_restart"], r)
+
+    def check_teardown(self, r):
+        extra = r["extra"]
+        self.assertEqual(extra["child_rc"], 0, extra)
+        self.assertGreaterEqual(extra["fetches_in_flight_at_teardown"], 1, extra)
+        self.assertLess(extra["teardown_s"], CALL_BOUND_S, extra)
+        # The fetch it left running ends within the per-fetch bound, and is
+        # the only thread that could hold up interpreter exit.
+        self.assertLess(extra["fetch_done_after_teardown_s"], FETCH_BOUND_S, extra)
+        for name in extra["non_daemon_threads_after_teardown"]:
+            self.assertTrue(name.startswith("pd-bootstrap-fetch"), extra)
+
+
+def _make_test(fault: Fault):
+    def test(self):
+        r = self.run_fault(fault)
+        kind = "malformed" if fault.name.startswith("malformed") else fault.name
+        check = getattr(self, f"check_{kind}", None)
+        if check is not None:
+            if kind == "frozen":
+                check(r, fault)
+            else:
+                check(r)
+
+    phase = "cached" if fault.phase == CACHED else "first_contact"
+    test.__name__ = f"test_{fault.name}_{phase}"
+    test.__doc__ = f"{fault.title} ({fault.phase})"
+    return test
+
+
+for _fault in FAULTS:
+    _test = _make_test(_fault)
+    setattr(TestFaultMatrixMooncake, _test.__name__, _test)
+
+
+if __name__ == "__main__":
+    unittest.main()
