@@ -11,6 +11,9 @@
         machine, one prefill frozen mid-run; stock, then patched (tools/demo_pd.py).
     python3 dev.py bench [--quick]
         The scheduler stall benchmark on real PD over loopback, stock and patched.
+    python3 dev.py faults [--backend nixl] [--faults NAMES]
+        The fault matrix on real PD over loopback, stock and patched, and its
+        reliability report (test/pd_loopback/fault_matrix.py, tools/fault_report.py).
 
 The env is a venv at ``$SGLANG_PD_PATCH_CACHE/venv`` (default
 ``~/.cache/sglang-pd-patch``), shared by every clone on the machine. It holds the
@@ -574,10 +577,47 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
+def cmd_faults(argv: list[str]) -> int:
+    """test/pd_loopback/fault_matrix.py against stock 0.5.23 and the patch, then
+    tools/fault_report.py."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 dev.py faults")
+    ap.add_argument("--backend", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--faults", help="comma-separated fault names (default all)")
+    ap.add_argument("--out", type=Path, default=REPO / "faults-out")
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    ensure_system_packages()
+    out = args.out.resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    common = ["--backend", args.backend]
+    if args.faults:
+        common += ["--faults", args.faults]
+    runs = side_by_side(
+        REPO / "test" / "pd_loopback" / "fault_matrix.py",
+        common,
+        variant_args={v: ["--out", str(out / f"{v}.json")] for v in VARIANTS},
+    )
+    if any(run.returncode != 0 for run in runs.values()):
+        log("test/pd_loopback/fault_matrix.py failed")
+        return 1
+    python = venv_python(cache_dir())
+    report = [python, REPO / "tools" / "fault_report.py"]
+    report += ["--stock", out / "stock.json", "--patched", out / "patched.json"]
+    if _run([*report, "--out", out / "report.md"], env=tool_env()) != 0:
+        return 1
+    log(f"report: {out / 'report.md'}")
+    log(f"whole fault matrix took {time.monotonic() - start:.0f} s")
+    return 0
+
+
 USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
        python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
-       python3 dev.py bench [--quick] [--out DIR]"""
+       python3 dev.py bench [--quick] [--out DIR]
+       python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -588,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_demo(argv[1:])
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
+    if argv[:1] == ["faults"]:
+        return cmd_faults(argv[1:])
     if argv[:1] == ["side-by-side"] and len(argv) >= 2:
         runs = side_by_side(argv[1], argv[2:])
         return 0 if all(r.returncode == 0 for r in runs.values()) else 1
