@@ -20,7 +20,8 @@ CALL_BOUND_S = 0.5
 CLEAR = {
     "A": "Could not fetch prefill parallel info from <addr> after N attempts. "
     "Check that the prefill server is up and that its bootstrap server is "
-    "reachable from this decode server.",
+    "reachable from this decode server; the decode log has the error of each "
+    "attempt.",
     "B": "Could not fetch bootstrap info for prefill_dp_rank 0 from <addr> "
     "after N attempts. (same advice)",
     "C": "Lost connection with prefill instance (bootstrap_addr: <addr>)",

@@ -1230,15 +1230,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 remaining.extend(reqs)
                 continue
 
-            last_attempt = self._ensure_last_attempt_time.get(key)
-            if last_attempt is not None and (
-                now - last_attempt < self._ensure_retry_interval
-            ):
-                remaining.extend(reqs)
-                continue
-
-            # Decide the abort before spending an attempt: no fetch is in
-            # flight here (or it is overdue), so every attempt has ended.
+            # Decide the abort as soon as the last attempt has ended (no fetch
+            # is in flight here, or it is overdue), as 0.5.23 did inline: a
+            # request added meanwhile then gets a fresh budget.
             count = self._ensure_retry_count.get(key, 0)
             if count >= self._max_ensure_retries:
                 # The last fetch may have published since the check above.
@@ -1250,13 +1244,21 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 logger.error(error_msg)
                 failure_reason = (
                     f"{error_msg}. Check that the prefill server is up and that "
-                    f"its bootstrap server is reachable from this decode server."
+                    f"its bootstrap server is reachable from this decode server; "
+                    f"the decode log has the error of each attempt."
                 )
                 for decode_req in reqs:
                     # kv_receiver may be None from a prior self.queue cleanup
                     if decode_req.kv_receiver is not None:
                         decode_req.kv_receiver.abort(failure_reason=failure_reason)
                 self._clear_ensure_state(key)
+                continue
+
+            last_attempt = self._ensure_last_attempt_time.get(key)
+            if last_attempt is not None and (
+                now - last_attempt < self._ensure_retry_interval
+            ):
+                remaining.extend(reqs)
                 continue
 
             self._ensure_last_attempt_time[key] = now

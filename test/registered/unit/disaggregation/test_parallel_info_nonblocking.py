@@ -425,6 +425,28 @@ class TestEnsurePrefillInfo(_Base):
         self.assertEqual(queue._ensure_retry_count, {})
         self.assertEqual(queue._ensure_last_attempt_time, {})
 
+    def test_abort_follows_the_last_failed_attempt_not_one_interval_later(self):
+        fake = self.patch_get(FakeGet(*[FakeResponse(503)] * 2))
+        queue = make_queue(self.mgr, max_retries=2)
+        early, late = [make_req()], [make_req()]
+
+        queue._ensure_prefill_info({ADDR: early})  # attempt 1 fails
+        drain(self.mgr)
+        self.clock.now += 1.0
+        queue._ensure_prefill_info({ADDR: early})  # attempt 2 fails
+        drain(self.mgr)
+        self.clock.now += 0.1
+
+        # The next cycle aborts, as 0.5.23 did right after the last attempt;
+        # a request added after it starts on a fresh budget at once.
+        queue._ensure_prefill_info({ADDR: early})
+        early[0].kv_receiver.abort.assert_called_once()
+        queue._ensure_prefill_info({ADDR: late})
+        drain(self.mgr)
+        self.assertEqual(len(fake.calls), 3)
+        self.assertEqual(queue._ensure_retry_count[ADDR], 1)
+        late[0].kv_receiver.abort.assert_not_called()
+
 
 class TestAbortCarriesTheCause(_Base):
     def make_receiver(self, room: int) -> CommonKVReceiver:
