@@ -3,7 +3,7 @@
     python3 tools/bench_report.py --stock stock.json --patched patched.json \\
         --out report.md [--png report.png]
 
-Writes the markdown report (goal check, P1-P5 tables with min / median / max
+Writes the markdown report (goal check, P1-P6 tables with min / median / max
 over repeats) and a PNG: per-cycle decode scheduler stall over time, stock and
 patched on one log-scale figure, one panel per number of frozen prefills.
 Needs only the standard library and matplotlib.
@@ -372,6 +372,43 @@ def report(stock, patched, png_name):
     lines.append(
         table(
             ["variant", "delay", "max cycle", "scheduler-thread HTTP", "request"],
+            rows,
+        )
+    )
+    lines += [
+        "",
+        "## P6: slow dp-rank query",
+        "",
+        "The healthy prefill reports dp_size 2 without follow_bootstrap_room, "
+        "so the decode asks its `/query_dp_ranks` which rank holds each room "
+        "(0.5.23: `prefetched_future.result()` or the synchronous "
+        "`query_prefill_dp_ranks` in `_resolve_pending_reqs`); the answer "
+        "comes after a delay. The prefill process is dp rank 0.",
+        "",
+    ]
+    rows = []
+    for name, doc in (("stock", stock), ("patched", patched)):
+        for r in doc["summary"].get("P6") or []:
+            rows.append(
+                (
+                    name,
+                    ms(r["delay_s"]),
+                    ms(r.get("max_s")),
+                    ms(r.get("p99_s")),
+                    r["scheduler_http"],
+                    r["state"],
+                )
+            )
+    lines.append(
+        table(
+            [
+                "variant",
+                "delay",
+                "max cycle",
+                "p99 cycle",
+                "scheduler-thread HTTP",
+                "request",
+            ],
             rows,
         )
     )

@@ -30,7 +30,10 @@ Figures (each repeated; the report gives min / median / max over repeats):
   parallel-info fetch landed in prefill_info_table.
 - P5 (extra): cycle stall when only the per-rank /route lookup of the
   healthy prefill is slow (1 s): the blocking call in CommonKVReceiver.init
-  that the parallel-info patch does not move.
+  that the parallel-info patch alone does not move.
+- P6 (extra): cycle stall when the healthy prefill poses as dp rank 0 of 2
+  (rooms not followed) and its /query_dp_ranks answers after 1 s: the dp-rank
+  resolution of _resolve_pending_reqs.
 
 Every cycle also carries its CPU time and the number of HTTP requests the
 scheduler thread sent in it (interpreter audit events), so a stall from a
@@ -290,6 +293,48 @@ class Bench:
         self.settle([healthy.addr])
         return out
 
+    def slow_dp_rank_query(self, delay_s: float) -> dict:
+        """P6: the healthy prefill poses as dp rank 0 of 2 (rooms not
+        followed), so the decode must ask its /query_dp_ranks, which answers
+        after ``delay_s``."""
+        c = self.cluster
+        d = c.decode
+        healthy = c.prefills[1]
+        self.settle([healthy.addr])
+        first_cycle = len(d.cycles)
+        healthy.set_faults(
+            harness.fault_spec(
+                "patch_json",
+                fields={"dp_size": 2, "follow_bootstrap_room": False},
+                paths=["/route"],
+                route_kind="info",
+            ),
+            harness.fault_spec(
+                "dp_rank_zero", delay_s=delay_s, paths=["/query_dp_ranks"]
+            ),
+        )
+        try:
+            t = c.request(healthy)
+            d.run(lambda: t.finished, 30, period_s=self.args.period_ms / 1000.0)
+        finally:
+            healthy.clear_fault()
+        cycles = d.cycles[first_cycle:] + d.adds[-1:]
+        queries = [
+            r
+            for r in list(harness.HTTP.records)
+            if r[2] == healthy.bootstrap_port and r[3] == "dp_ranks"
+        ]
+        out = {
+            "delay_s": delay_s,
+            "state": t.state,
+            "error": t.error,
+            "dp_rank_queries": len(queries),
+            "stats": cycle_stats(cycles),
+            "scheduler_http": sum(len(cy.http) for cy in cycles),
+        }
+        self.settle([healthy.addr])
+        return out
+
     # -- driver -----------------------------------------------------------
 
     def run(self) -> dict:
@@ -304,7 +349,12 @@ class Bench:
         # a shared host.
         p3_repeats, p3_calls = (5, 50_000) if a.quick else (15, 100_000)
 
-        results = {"frozen": [], "cached_lookup": None, "slow_rank_lookup": []}
+        results = {
+            "frozen": [],
+            "cached_lookup": None,
+            "slow_rank_lookup": [],
+            "slow_dp_rank_query": [],
+        }
         t_setup = time.perf_counter()
         with harness.Cluster(a.backend, 2) as cluster:
             self.cluster = cluster
@@ -331,6 +381,8 @@ class Bench:
                     )
             results["slow_rank_lookup"].append(self.slow_rank_lookup(1.0))
             self.say("P5 done")
+            results["slow_dp_rank_query"].append(self.slow_dp_rank_query(1.0))
+            self.say("P6 done")
         return {"setup_s": setup_s, "results": results}
 
 
@@ -384,6 +436,16 @@ def summarize(results: dict) -> dict:
                 **r["stats"],
             }
             for r in results["slow_rank_lookup"]
+        ],
+        "P6": [
+            {
+                "delay_s": r["delay_s"],
+                "state": r["state"],
+                "dp_rank_queries": r["dp_rank_queries"],
+                "scheduler_http": r["scheduler_http"],
+                **r["stats"],
+            }
+            for r in results.get("slow_dp_rank_query", [])
         ],
     }
 

@@ -259,6 +259,9 @@ def summarize(run: Run, calls, t0, t1, threads_start, threads_end) -> dict:
         "transferred": sum(1 for t in run.requests if t.state == "success"),
         "failed": sum(1 for t in run.requests if t.state == "failed"),
         "pending_end": sum(1 for t in run.requests if not t.finished),
+        "faulty_longest_request_s": round(
+            max((t.t_done - t.t_add for t in faulty if t.finished), default=0.0), 2
+        ),
         "faulty": _counts(faulty),
         "healthy": _counts(healthy),
         "failures": failures,

@@ -300,33 +300,15 @@ class PrefillProcess:
             raise RuntimeError(f"{self.name}: {out.get('error')}")
         return out
 
-    def set_fault(
-        self,
-        mode: str,
-        *,
-        delay_s: float = 0.0,
-        status: int = 503,
-        body: str = "",
-        fields: Optional[dict] = None,
-        paths: Optional[List[str]] = None,
-        route_kind: Optional[str] = None,
-    ) -> None:
-        """``mode``: "none", "delay" (sleep ``delay_s`` then answer), "status"
-        (answer ``status`` at once), "body" (answer 200 with ``body``) or
-        "patch_json" (the real answer with ``fields`` replaced). Applies to
-        decode-facing GET/POST requests on ``paths`` (default all);
-        ``route_kind`` narrows ``/route`` to the parallel-info query ("info")
-        or the per-rank lookups ("rank")."""
-        spec = {
-            "mode": mode,
-            "delay_s": delay_s,
-            "status": status,
-            "body": body,
-            "fields": fields or {},
-            "paths": paths,
-            "route_kind": route_kind,
-        }
-        self.call({"cmd": "fault", "spec": spec})
+    def set_fault(self, mode: str, **options) -> None:
+        """One fault on this prefill's bootstrap server, replacing any other;
+        ``mode`` and ``options`` as for ``fault_spec()``."""
+        self.set_faults(fault_spec(mode, **options))
+
+    def set_faults(self, *specs: dict) -> None:
+        """Several faults at once (``fault_spec()``); the first that applies
+        to a request wins."""
+        self.call({"cmd": "fault", "specs": list(specs)})
 
     def clear_fault(self) -> None:
         self.set_fault("none")
@@ -384,6 +366,35 @@ class PrefillProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+def fault_spec(
+    mode: str,
+    *,
+    delay_s: float = 0.0,
+    status: int = 503,
+    body: str = "",
+    fields: Optional[dict] = None,
+    paths: Optional[List[str]] = None,
+    route_kind: Optional[str] = None,
+) -> dict:
+    """A fault for PrefillProcess.set_faults. ``mode``: "none", "delay"
+    (sleep ``delay_s`` then answer), "status" (answer ``status``), "body"
+    (answer 200 with ``body``), "patch_json" (the real answer with ``fields``
+    replaced) or "dp_rank_zero" (answer /query_dp_ranks with rank 0 for every
+    room); every mode waits ``delay_s`` first. Applies to decode-facing
+    GET/POST requests on ``paths`` (default all); ``route_kind`` narrows
+    ``/route`` to the parallel-info query ("info") or the per-rank lookups
+    ("rank")."""
+    return {
+        "mode": mode,
+        "delay_s": delay_s,
+        "status": status,
+        "body": body,
+        "fields": fields or {},
+        "paths": paths,
+        "route_kind": route_kind,
+    }
 
 
 class Blackhole:

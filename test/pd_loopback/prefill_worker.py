@@ -37,7 +37,8 @@ import pd_setup  # noqa: E402
 
 # Read by the aiohttp middleware on the server's event loop; replaced whole
 # by the control thread, so a reader never sees a half-written spec.
-_FAULT = {"mode": "none"}
+# Fault specs (see PrefillProcess.set_faults); the first that applies wins.
+_FAULTS = []
 
 
 def _die_with_parent() -> None:
@@ -80,25 +81,31 @@ def _make_bootstrap_server(backend: str, port: int):
 
     @web.middleware
     async def fault_middleware(request, handler):
-        spec = _FAULT
-        if _fault_applies(spec, request):
-            if spec["mode"] == "delay":
-                await asyncio.sleep(float(spec["delay_s"]))
-            elif spec["mode"] == "status":
-                return web.Response(
-                    status=int(spec["status"]), text="injected by pd_loopback"
-                )
-            elif spec["mode"] == "body":
-                # A 200 answer with this body instead of the real one.
-                return web.Response(
-                    status=200, text=spec["body"], content_type="application/json"
-                )
-            elif spec["mode"] == "patch_json":
-                # The real answer with some fields replaced.
-                response = await handler(request)
-                data = json.loads(response.text)
-                data.update(spec["fields"])
-                return web.json_response(data)
+        spec = next((f for f in _FAULTS if _fault_applies(f, request)), None)
+        if spec is None:
+            return await handler(request)
+        if spec.get("delay_s"):
+            await asyncio.sleep(float(spec["delay_s"]))
+        if spec["mode"] == "status":
+            return web.Response(
+                status=int(spec["status"]), text="injected by pd_loopback"
+            )
+        elif spec["mode"] == "body":
+            # A 200 answer with this body instead of the real one.
+            return web.Response(
+                status=200, text=spec["body"], content_type="application/json"
+            )
+        elif spec["mode"] == "patch_json":
+            # The real answer with some fields replaced.
+            response = await handler(request)
+            data = json.loads(response.text)
+            data.update(spec["fields"])
+            return web.json_response(data)
+        elif spec["mode"] == "dp_rank_zero":
+            # Answers /query_dp_ranks as a prefill whose every room is on
+            # dp rank 0 (this process is that rank).
+            rooms = (await request.json())["bootstrap_rooms"]
+            return web.json_response({str(room): 0 for room in rooms})
         return await handler(request)
 
     class FaultInjectingBootstrapServer(server_class):
@@ -163,11 +170,13 @@ class Worker:
     # -- commands ---------------------------------------------------------
 
     def cmd_fault(self, msg: dict) -> dict:
-        global _FAULT
-        spec = dict(msg.get("spec") or {"mode": "none"})
-        if "methods" in spec:
-            spec["methods"] = tuple(spec["methods"])
-        _FAULT = spec
+        global _FAULTS
+        specs = msg["specs"] if "specs" in msg else [msg["spec"]]
+        specs = [dict(spec) for spec in specs if spec["mode"] != "none"]
+        for spec in specs:
+            if "methods" in spec:
+                spec["methods"] = tuple(spec["methods"])
+        _FAULTS = specs
         return {"ok": True}
 
     def cmd_send(self, msg: dict) -> None:
