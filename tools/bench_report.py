@@ -220,9 +220,10 @@ def report(stock, patched, png_name):
         "are the scheduler thread's own CPU time per cycle: a cycle that took "
         "much longer than its CPU time was waiting (network, GIL, or a CPU "
         "taken by other processes on a shared host). *Fetch threads started*: "
-        "parallel-info executor workers the scenario had to start (patched; "
-        "`ThreadPoolExecutor` starts them lazily inside `submit()`, i.e. on "
-        "the scheduler thread). Stock's scenarios are cut after the first cycle that ends "
+        "fetch-pool workers the scenario had to start (patched; "
+        "`ThreadPoolExecutor` would start them lazily inside `submit()`, i.e. "
+        "on the scheduler thread, so the pool starts them all with the "
+        "manager). Stock's scenarios are cut after the first cycle that ends "
         "past the scenario duration, so stock *done* below can be missing.",
         "",
     ]
