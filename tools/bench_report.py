@@ -349,47 +349,36 @@ def report(stock, patched, png_name):
             rows,
         )
     )
-    lines += [
-        "",
-        "## P5: slow per-rank `/route` lookup",
-        "",
+    lines += slow_query_table(
+        stock,
+        patched,
+        "P5",
+        "slow per-rank `/route` lookup",
         "The healthy prefill's bootstrap server answers the per-rank lookups "
         "of `CommonKVReceiver.init` -> `_get_bootstrap_info_from_server` "
         "after a delay; the parallel-info query is not delayed.",
-        "",
-    ]
-    rows = []
-    for name, doc in (("stock", stock), ("patched", patched)):
-        for r in doc["summary"]["P5"]:
-            rows.append(
-                (
-                    name,
-                    ms(r["delay_s"]),
-                    ms(r.get("max_s")),
-                    r["scheduler_http"],
-                    r["state"],
-                )
-            )
-    lines.append(
-        table(
-            ["variant", "delay", "max cycle", "scheduler-thread HTTP", "request"],
-            rows,
-        )
     )
-    lines += [
-        "",
-        "## P6: slow dp-rank query",
-        "",
+    lines += slow_query_table(
+        stock,
+        patched,
+        "P6",
+        "slow dp-rank query",
         "The healthy prefill reports dp_size 2 without follow_bootstrap_room, "
         "so the decode asks its `/query_dp_ranks` which rank holds each room "
         "(0.5.23: `prefetched_future.result()` or the synchronous "
         "`query_prefill_dp_ranks` in `_resolve_pending_reqs`); the answer "
         "comes after a delay. The prefill process is dp rank 0.",
-        "",
-    ]
+    )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def slow_query_table(stock, patched, key: str, title: str, text: str) -> list:
+    """A P5 / P6 section: one request while one kind of query is slow; the
+    request's add() and every cycle until it ended."""
     rows = []
     for name, doc in (("stock", stock), ("patched", patched)):
-        for r in doc["summary"].get("P6") or []:
+        for r in doc["summary"].get(key) or []:
             rows.append(
                 (
                     name,
@@ -400,21 +389,8 @@ def report(stock, patched, png_name):
                     r["state"],
                 )
             )
-    lines.append(
-        table(
-            [
-                "variant",
-                "delay",
-                "max cycle",
-                "p99 cycle",
-                "scheduler-thread HTTP",
-                "request",
-            ],
-            rows,
-        )
-    )
-    lines.append("")
-    return "\n".join(lines)
+    header = ["variant", "delay", "max call", "p99 call", "scheduler-thread HTTP"]
+    return ["", f"## {key}: {title}", "", text, "", table(header + ["request"], rows)]
 
 
 def plot(stock, patched, path):

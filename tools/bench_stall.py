@@ -271,38 +271,46 @@ class Bench:
             "ensure_prefill_info_ns": per_call_ensure,
         }
 
-    def slow_rank_lookup(self, delay_s: float) -> dict:
+    def slow_query(self, delay_s: float, *faults: dict) -> dict:
+        """One request to the healthy prefill while its bootstrap server has
+        ``faults``; the cycles from its add() until it ends."""
         c = self.cluster
         d = c.decode
         healthy = c.prefills[1]
         self.settle([healthy.addr])
         first_cycle = len(d.cycles)
-        healthy.set_fault("delay", delay_s=delay_s, paths=["/route"], route_kind="rank")
+        healthy.set_faults(*faults)
         try:
             t = c.request(healthy)
             d.run(lambda: t.finished, 30, period_s=self.args.period_ms / 1000.0)
         finally:
             healthy.clear_fault()
-        cycles = d.cycles[first_cycle:]
+        cycles = d.adds[-1:] + d.cycles[first_cycle:]
         out = {
             "delay_s": delay_s,
             "state": t.state,
+            "error": t.error,
             "stats": cycle_stats(cycles),
             "scheduler_http": sum(len(cy.http) for cy in cycles),
         }
         self.settle([healthy.addr])
         return out
 
+    def slow_rank_lookup(self, delay_s: float) -> dict:
+        """P5: the per-rank /route lookups answer after ``delay_s``."""
+        return self.slow_query(
+            delay_s,
+            harness.fault_spec(
+                "delay", delay_s=delay_s, paths=["/route"], route_kind="rank"
+            ),
+        )
+
     def slow_dp_rank_query(self, delay_s: float) -> dict:
         """P6: the healthy prefill poses as dp rank 0 of 2 (rooms not
         followed), so the decode must ask its /query_dp_ranks, which answers
         after ``delay_s``."""
-        c = self.cluster
-        d = c.decode
-        healthy = c.prefills[1]
-        self.settle([healthy.addr])
-        first_cycle = len(d.cycles)
-        healthy.set_faults(
+        return self.slow_query(
+            delay_s,
             harness.fault_spec(
                 "patch_json",
                 fields={"dp_size": 2, "follow_bootstrap_room": False},
@@ -313,27 +321,6 @@ class Bench:
                 "dp_rank_zero", delay_s=delay_s, paths=["/query_dp_ranks"]
             ),
         )
-        try:
-            t = c.request(healthy)
-            d.run(lambda: t.finished, 30, period_s=self.args.period_ms / 1000.0)
-        finally:
-            healthy.clear_fault()
-        cycles = d.cycles[first_cycle:] + d.adds[-1:]
-        queries = [
-            r
-            for r in list(harness.HTTP.records)
-            if r[2] == healthy.bootstrap_port and r[3] == "dp_ranks"
-        ]
-        out = {
-            "delay_s": delay_s,
-            "state": t.state,
-            "error": t.error,
-            "dp_rank_queries": len(queries),
-            "stats": cycle_stats(cycles),
-            "scheduler_http": sum(len(cy.http) for cy in cycles),
-        }
-        self.settle([healthy.addr])
-        return out
 
     # -- driver -----------------------------------------------------------
 
@@ -441,7 +428,6 @@ def summarize(results: dict) -> dict:
             {
                 "delay_s": r["delay_s"],
                 "state": r["state"],
-                "dp_rank_queries": r["dp_rank_queries"],
                 "scheduler_http": r["scheduler_http"],
                 **r["stats"],
             }

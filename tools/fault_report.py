@@ -73,6 +73,9 @@ def violations(run: dict) -> list:
     unclear = [m for m in run["failures"] if not any(p in m for p in PREFIXES.values())]
     if unclear:
         out.append("unclear error: " + "; ".join(f"{m[:80]!r}" for m in unclear))
+    left = run.get("extra", {}).get("non_daemon_threads_after_teardown")
+    if left:
+        out.append(f"non-daemon threads left after teardown: {left}")
     if run["new_non_daemon_threads"]:
         out.append(f"non-daemon threads left: {run['new_non_daemon_threads']}")
     extra = run.get("extra", {})
@@ -145,8 +148,10 @@ def fmt_notes(run):
     if run["fault"] == "teardown" and "teardown_s" in extra:
         notes.append(
             f"teardown {extra['teardown_s']:.2f} s, {extra['asked_to_done_s']:.2f} s "
-            f"after due; in-flight fetch ended {extra.get('fetch_done_after_teardown_s')}"
-            f" s later; exit {extra.get('exit_after_teardown_s')} s after teardown"
+            f"after due, {extra['fetches_in_flight_at_teardown']} fetch(es) in "
+            f"flight; non-daemon threads left "
+            f"{len(extra['non_daemon_threads_after_teardown'])}; exit "
+            f"{extra.get('exit_after_teardown_s')} s after teardown"
         )
     if "toggles" in extra:
         notes.append(f"{extra['toggles']} toggles")

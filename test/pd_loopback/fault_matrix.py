@@ -40,17 +40,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# Small retry budget: 2 attempts, 0.2 s apart, as in loopback_cases.py.
-MAX_ENSURE_RETRIES = 2
-ENSURE_RETRY_INTERVAL_S = 0.2
-HTTP_TIMEOUT_S = 5.0
-# Evict after 2 missed heartbeats of (2 s connect, 3 s read), every 2 s.
-HEARTBEAT_ENV = {
-    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
-    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
-}
-HEARTBEAT_DETECT_S = 2 * (2 + 2 + 3) + 2
+# The loopback cases' small retry budget (2 attempts, 0.2 s apart) and fast
+# heartbeat (every 2 s, evict after 2 misses).
+from loopback_cases import (  # noqa: E402
+    ENSURE_RETRY_INTERVAL_S,
+    HEARTBEAT_DETECT_S,
+    HEARTBEAT_ENV,
+    HTTP_TIMEOUT_S,
+    MAX_ENSURE_RETRIES,
+)
+
 # No run waits longer than this for its requests to end.
 RUN_CAP_S = 90.0
 NUM_TOKENS = 16
@@ -499,16 +498,12 @@ def teardown_frozen(run: Run) -> None:
         start_new_session=True,
     )
     report, lines, t_reported = None, [], None
-    fetch_done_s, t_fetch_done = None, None
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("TEARDOWN "):
                 report = json.loads(line[len("TEARDOWN ") :])
                 t_reported = time.perf_counter()
-            elif line.startswith("FETCH_DONE "):
-                fetch_done_s = float(line.split()[1])
-                t_fetch_done = time.perf_counter()
         rc = proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         harness._kill_group(proc)
@@ -522,9 +517,6 @@ def teardown_frozen(run: Run) -> None:
         return
     run.extra.update(report)
     run.extra["exit_after_teardown_s"] = round(t_exit - t_reported, 2)
-    run.extra["fetch_done_after_teardown_s"] = fetch_done_s
-    if t_fetch_done is not None:
-        run.extra["exit_after_fetch_done_s"] = round(t_exit - t_fetch_done, 2)
     run.extra["child_total_s"] = round(t_exit - t_start, 1)
 
 
@@ -576,10 +568,7 @@ def teardown_child(addr: str, backend: str) -> int:
         "has_fetch_pool": hasattr(CommonKVManager, "_stop_bootstrap_fetches"),
     }
     print("TEARDOWN " + json.dumps(report), flush=True)
-    # How much of the exit is the fetch still in flight (bounded, the parent
-    # measures the whole exit).
-    done = harness.HTTP.wait_idle(port, timeout_s=3 * HTTP_TIMEOUT_S)
-    print(f"FETCH_DONE {time.perf_counter() - t1:.3f} {done}", flush=True)
+    # Then a plain interpreter exit, timed by the parent.
     return 0
 
 

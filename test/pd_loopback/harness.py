@@ -647,15 +647,6 @@ class HttpLog:
                 if port is None or p == port
             }
 
-    def wait_idle(self, port: int, timeout_s: float) -> bool:
-        """Wait (bounded) until no request to ``port`` is in flight."""
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight(port):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
     def first_start(self, port: int) -> Optional[float]:
         """When the first request to ``port`` started, if any."""
         return self.first.get(port)

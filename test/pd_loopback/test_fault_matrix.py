@@ -109,11 +109,10 @@ class TestFaultMatrixMooncake(CustomTestCase):
         self.assertEqual(extra["child_rc"], 0, extra)
         self.assertGreaterEqual(extra["fetches_in_flight_at_teardown"], 1, extra)
         self.assertLess(extra["teardown_s"], CALL_BOUND_S, extra)
-        # The fetch it left running ends within the per-fetch bound, and is
-        # the only thread that could hold up interpreter exit.
-        self.assertLess(extra["fetch_done_after_teardown_s"], FETCH_BOUND_S, extra)
-        for name in extra["non_daemon_threads_after_teardown"]:
-            self.assertTrue(name.startswith("pd-bootstrap-fetch"), extra)
+        # The fetch it left hanging runs on a daemon thread: nothing holds up
+        # interpreter exit (which takes ~3 s here either way: torch, Mooncake).
+        self.assertEqual(extra["non_daemon_threads_after_teardown"], [], extra)
+        self.assertLess(extra["exit_after_teardown_s"], FETCH_BOUND_S, extra)
 
 
 def _make_test(fault: Fault):

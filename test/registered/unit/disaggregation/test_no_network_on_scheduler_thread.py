@@ -528,15 +528,17 @@ class TestFetchTimeBound(_Base):
         self.assertFalse(self.mgr.bootstrap_infos_fetch_in_flight(ADDR, 0))
 
 
-class TestFetchWorkersStartUpFront(CustomTestCase):
-    def test_submit_starts_no_thread_on_the_calling_thread(self):
-        workers = 4
-        executor = ThreadPoolExecutor(max_workers=workers)
-        self.addCleanup(executor.shutdown, wait=False)
-        release = threading.Event()
-        self.addCleanup(release.set)
-        conn_mod._start_all_workers(executor, workers)
+class TestBootstrapFetchExecutor(CustomTestCase):
+    WORKERS = 4
 
+    def setUp(self):
+        super().setUp()
+        self.executor = conn_mod._BootstrapFetchExecutor(self.WORKERS, "test-fetch")
+        self.addCleanup(self.executor.shutdown, wait=False, cancel_futures=True)
+        self.release = threading.Event()
+        self.addCleanup(self.release.set)
+
+    def test_submit_starts_no_thread_on_the_calling_thread(self):
         started = []
         original = threading.Thread.start
 
@@ -546,11 +548,42 @@ class TestFetchWorkersStartUpFront(CustomTestCase):
 
         with mock.patch.object(threading.Thread, "start", start):
             # Every worker busy at once: none may be started lazily here.
-            futures = [executor.submit(release.wait, _WAIT_S) for _ in range(workers)]
-        release.set()
+            futures = [
+                self.executor.submit(self.release.wait, _WAIT_S)
+                for _ in range(self.WORKERS)
+            ]
+        self.release.set()
         for future in futures:
             self.assertTrue(future.result(timeout=_WAIT_S))
         self.assertEqual(started, [])
+        self.assertIsInstance(self.executor, ThreadPoolExecutor)
+
+    def test_a_hung_fetch_does_not_hold_up_interpreter_exit(self):
+        entered = threading.Event()
+
+        def hung():
+            entered.set()
+            self.release.wait(_WAIT_S)
+
+        running = self.executor.submit(hung)
+        self.assertTrue(entered.wait(_WAIT_S))
+        queued = [self.executor.submit(hung) for _ in range(self.WORKERS)]
+
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+        # Exit joins non-daemon threads only; queued fetches never run.
+        self.assertTrue(all(t.daemon for t in self.executor._threads))
+        self.assertFalse(running.done())
+        self.assertTrue(all(f.cancelled() for f in queued[self.WORKERS - 1 :]))
+        with self.assertRaises(RuntimeError):
+            self.executor.submit(hung)
+        self.release.set()
+        self.assertIsNone(running.result(timeout=_WAIT_S))
+
+    def test_results_and_errors_reach_the_future(self):
+        self.assertEqual(self.executor.submit(lambda x: x + 1, 1).result(_WAIT_S), 2)
+        with self.assertRaises(ZeroDivisionError):
+            self.executor.submit(lambda: 1 / 0).result(_WAIT_S)
 
 
 if __name__ == "__main__":

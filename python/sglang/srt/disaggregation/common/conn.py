@@ -5,6 +5,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import queue
 import threading
 import time
 from collections import defaultdict
@@ -96,15 +97,58 @@ BOOTSTRAP_FETCH_TIMEOUT_S = 10
 _bootstrap_sessions = threading.local()
 
 
-def _start_all_workers(
-    executor: concurrent.futures.ThreadPoolExecutor, num_workers: int
-) -> None:
-    # ThreadPoolExecutor starts a worker inside submit() when none is idle,
-    # i.e. on the scheduler thread; start them all here instead.
-    started = threading.Event()
-    for _ in range(num_workers):
-        executor.submit(started.wait)
-    started.set()
+class _BootstrapFetchExecutor(concurrent.futures.ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose workers are daemon threads, all started up
+    front. ThreadPoolExecutor starts a worker inside submit(), i.e. on the
+    scheduler thread, and joins its workers at interpreter exit, so a fetch
+    blocked on a hung bootstrap server would hold up shutdown."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str):
+        super().__init__(max_workers, thread_name_prefix)
+        self._fetch_queue = queue.SimpleQueue()
+        self._fetch_stopped = False
+        for i in range(max_workers):
+            thread = threading.Thread(
+                target=self._fetch_worker, name=f"{thread_name_prefix}_{i}", daemon=True
+            )
+            thread.start()
+            self._threads.add(thread)
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        if self._fetch_stopped:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        future = concurrent.futures.Future()
+        self._fetch_queue.put((future, fn, args, kwargs))
+        return future
+
+    def _fetch_worker(self) -> None:
+        while True:
+            item = self._fetch_queue.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._fetch_stopped = True
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._fetch_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in self._threads:
+            self._fetch_queue.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
 
 
 def _get_bootstrap_session(bootstrap_addr: str) -> requests.Session:
@@ -559,11 +603,10 @@ class CommonKVManager(BaseKVManager):
             # never on the scheduler thread: a bootstrap server that hangs must
             # not stall decode. The in-flight sets (mutated under
             # connection_lock) keep it to one outstanding query per key.
-            self._parallel_info_executor = concurrent.futures.ThreadPoolExecutor(
+            self._parallel_info_executor = _BootstrapFetchExecutor(
                 max_workers=BOOTSTRAP_FETCH_WORKERS,
                 thread_name_prefix="pd-bootstrap-fetch",
             )
-            _start_all_workers(self._parallel_info_executor, BOOTSTRAP_FETCH_WORKERS)
             self._parallel_info_inflight: Set[str] = set()
             # A config mismatch found on the fetch thread, re-raised on the
             # scheduler thread by raise_parallel_info_error().
