@@ -504,18 +504,39 @@ def cpu_enabled_stock_files(cache: Path) -> Path:
     return root / core.REPO_DISAGG_SUBDIR
 
 
-def _run_both(tool: str, args, variant_args, stock_files=None) -> bool:
-    """tools/<tool> against stock and patched; False (logged) if either failed."""
+def _run_both(script, args, variant_args, stock_files=None) -> bool:
+    """``script`` (a tools/ name or a path) against stock and patched; False
+    (logged) if either failed."""
+    script = REPO / "tools" / script if isinstance(script, str) else script
     runs = side_by_side(
-        REPO / "tools" / tool,
+        script,
         args,
         variant_args=variant_args,
         stock_files=stock_files,
     )
     failed = [v for v, run in runs.items() if run.returncode != 0]
     if failed:
-        log(f"tools/{tool} failed for {failed}")
+        log(f"{script.relative_to(REPO)} failed for {failed}")
     return not failed
+
+
+def _compare(script, args, report_tool: str, out: Path) -> int:
+    """``script`` writes ``<out>/<variant>.json`` for stock and patched, then
+    ``tools/<report_tool>`` writes ``<out>/report.md`` from the two."""
+    start = time.monotonic()
+    ensure_system_packages()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    variant_args = {v: ["--out", str(out / f"{v}.json")] for v in VARIANTS}
+    if not _run_both(script, args, variant_args):
+        return 1
+    report = [venv_python(cache_dir()), REPO / "tools" / report_tool]
+    report += ["--stock", out / "stock.json", "--patched", out / "patched.json"]
+    if _run([*report, "--out", out / "report.md"], env=tool_env()) != 0:
+        return 1
+    log(f"report: {out / 'report.md'}")
+    log(f"took {time.monotonic() - start:.0f} s")
+    return 0
 
 
 def cmd_demo(argv: list[str]) -> int:
@@ -556,25 +577,10 @@ def cmd_bench(argv: list[str]) -> int:
     ap.add_argument("--quick", action="store_true", help="~3 min instead of ~6")
     ap.add_argument("--out", type=Path, default=REPO / "bench-out")
     args, rest = ap.parse_known_args(argv)
-    start = time.monotonic()
-    ensure_system_packages()
-    out = args.out.resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    if not _run_both(
-        "bench_stall.py",
-        [*(["--quick"] if args.quick else []), *rest],
-        {v: ["--out", str(out / f"{v}.json")] for v in VARIANTS},
-    ):
-        return 1
-    python = venv_python(cache_dir())
-    report = [python, REPO / "tools" / "bench_report.py"]
-    report += ["--stock", out / "stock.json", "--patched", out / "patched.json"]
-    if _run([*report, "--out", out / "report.md"], env=tool_env()) != 0:
-        return 1
-    log(f"report: {out / 'report.md'} (plot beside it)")
-    log(f"whole bench took {time.monotonic() - start:.0f} s")
-    return 0
+    quick = ["--quick"] if args.quick else []
+    return _compare(
+        "bench_stall.py", quick + rest, "bench_report.py", args.out.resolve()
+    )
 
 
 def cmd_faults(argv: list[str]) -> int:
@@ -587,30 +593,11 @@ def cmd_faults(argv: list[str]) -> int:
     ap.add_argument("--faults", help="comma-separated fault names (default all)")
     ap.add_argument("--out", type=Path, default=REPO / "faults-out")
     args = ap.parse_args(argv)
-    start = time.monotonic()
-    ensure_system_packages()
-    out = args.out.resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     common = ["--backend", args.backend]
     if args.faults:
         common += ["--faults", args.faults]
-    runs = side_by_side(
-        REPO / "test" / "pd_loopback" / "fault_matrix.py",
-        common,
-        variant_args={v: ["--out", str(out / f"{v}.json")] for v in VARIANTS},
-    )
-    if any(run.returncode != 0 for run in runs.values()):
-        log("test/pd_loopback/fault_matrix.py failed")
-        return 1
-    python = venv_python(cache_dir())
-    report = [python, REPO / "tools" / "fault_report.py"]
-    report += ["--stock", out / "stock.json", "--patched", out / "patched.json"]
-    if _run([*report, "--out", out / "report.md"], env=tool_env()) != 0:
-        return 1
-    log(f"report: {out / 'report.md'}")
-    log(f"whole fault matrix took {time.monotonic() - start:.0f} s")
-    return 0
+    script = REPO / "test" / "pd_loopback" / "fault_matrix.py"
+    return _compare(script, common, "fault_report.py", args.out.resolve())
 
 
 USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
