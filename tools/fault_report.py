@@ -86,6 +86,8 @@ def violations(run: dict) -> list:
     if extra.get("served_after_restart") is False:
         out.append("not served after the restart")
     if run["fault"] == "teardown":
+        if extra.get("teardown", "").startswith("teardown() raised"):
+            out.append(extra["teardown"][:120])
         asked = extra.get("asked_to_done_s")
         if asked is not None and asked >= CALL_BOUND_S:
             out.append(f"teardown came {asked:.1f} s after it was due")
@@ -145,7 +147,11 @@ def fmt_notes(run):
         notes.append(
             f"served after restart: {'yes' if extra['served_after_restart'] else 'no'}"
         )
-    if run["fault"] == "teardown" and "teardown_s" in extra:
+    if run["fault"] == "teardown" and extra.get("teardown", "").startswith(
+        "teardown() raised"
+    ):
+        notes.append(extra["teardown"][:80])
+    elif run["fault"] == "teardown" and "teardown_s" in extra:
         notes.append(
             f"teardown {extra['teardown_s']:.2f} s, {extra['asked_to_done_s']:.2f} s "
             f"after due, {extra['fetches_in_flight_at_teardown']} fetch(es) in "

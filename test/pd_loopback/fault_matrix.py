@@ -48,6 +48,7 @@ from loopback_cases import (  # noqa: E402
     HEARTBEAT_ENV,
     HTTP_TIMEOUT_S,
     MAX_ENSURE_RETRIES,
+    FastFailCluster,
 )
 
 # No run waits longer than this for its requests to end.
@@ -129,17 +130,7 @@ class Matrix:
         self.cluster: Optional[harness.Cluster] = None
 
     def __enter__(self) -> "Matrix":
-        self._saved_env = {k: os.environ.get(k) for k in HEARTBEAT_ENV}
-        os.environ.update(HEARTBEAT_ENV)
-        self.cluster = harness.Cluster(
-            self.backend,
-            3,
-            decode_kwargs=dict(
-                max_ensure_retries=MAX_ENSURE_RETRIES,
-                ensure_retry_interval=ENSURE_RETRY_INTERVAL_S,
-            ),
-        )
-        self.cluster.__enter__()
+        self.cluster = FastFailCluster(self.backend, 3).__enter__()
         self.faulty = self.cluster.prefills[0]
         self.healthy = self.cluster.prefills[1:]
         return self
@@ -147,11 +138,6 @@ class Matrix:
     def __exit__(self, *exc) -> None:
         if self.cluster is not None:
             self.cluster.close()
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
     # -- one run ------------------------------------------------------------
 
@@ -547,11 +533,12 @@ def teardown_child(addr: str, backend: str) -> int:
     t_asked = harness.HTTP.first_start(port)
     mgr = d.kv_manager
     t0 = time.perf_counter()
-    if hasattr(mgr, "teardown"):
+    try:
         mgr.teardown()
         how = "teardown()"
-    else:
-        how = "none"
+    except Exception as e:
+        # 0.5.23's NIXL manager has no role-switch teardown.
+        how = f"teardown() raised {type(e).__name__}: {e}"
     t1 = time.perf_counter()
     blocking = sorted(
         t.name

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-import unittest
 
 import harness
 
@@ -40,6 +39,38 @@ HEARTBEAT_DETECT_S = 2 * (2 + 2 + 3) + 2
 NUM_TOKENS = 24
 
 
+class FastFailCluster(harness.Cluster):
+    """A Cluster with the small retry budget above, and the fast heartbeat
+    set in this process's environment while it runs."""
+
+    def __init__(self, backend: str, num_prefills: int):
+        super().__init__(
+            backend,
+            num_prefills,
+            decode_kwargs=dict(
+                max_ensure_retries=MAX_ENSURE_RETRIES,
+                ensure_retry_interval=ENSURE_RETRY_INTERVAL_S,
+            ),
+        )
+        self._saved_env = None
+
+    def __enter__(self) -> "FastFailCluster":
+        self._saved_env = {k: os.environ.get(k) for k in HEARTBEAT_ENV}
+        os.environ.update(HEARTBEAT_ENV)
+        return super().__enter__()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            for key, value in (self._saved_env or {}).items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            self._saved_env = None
+
+
 class LoopbackCases:
     """Mixed into a ``CustomTestCase`` subclass that sets ``BACKEND``."""
 
@@ -48,17 +79,7 @@ class LoopbackCases:
 
     @classmethod
     def setUpClass(cls):
-        cls._saved_env = {k: os.environ.get(k) for k in HEARTBEAT_ENV}
-        os.environ.update(HEARTBEAT_ENV)
-        cls.cluster = harness.Cluster(
-            cls.BACKEND,
-            2,
-            decode_kwargs=dict(
-                max_ensure_retries=MAX_ENSURE_RETRIES,
-                ensure_retry_interval=ENSURE_RETRY_INTERVAL_S,
-            ),
-        )
-        cls.cluster.__enter__()
+        cls.cluster = FastFailCluster(cls.BACKEND, 2).__enter__()
         cls.decode = cls.cluster.decode
         cls.faulty, cls.healthy = cls.cluster.prefills
 
@@ -67,11 +88,6 @@ class LoopbackCases:
         cluster = getattr(cls, "cluster", None)
         if cluster is not None:
             cluster.close()
-        for key, value in getattr(cls, "_saved_env", {}).items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
     def setUp(self):
         super().setUp()

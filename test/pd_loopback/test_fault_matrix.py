@@ -108,6 +108,7 @@ class TestFaultMatrixMooncake(CustomTestCase):
 
     def check_teardown(self, r, fault):
         extra = r["extra"]
+        self.assertEqual(extra["teardown"], "teardown()", extra)
         self.assertEqual(extra["child_rc"], 0, extra)
         self.assertGreaterEqual(extra["fetches_in_flight_at_teardown"], 1, extra)
         self.assertLess(extra["teardown_s"], CALL_BOUND_S, extra)
