@@ -65,14 +65,6 @@ KS = (1, 2, 4, 8)
 HARD_CAP_S = 120.0  # no single frozen scenario runs longer than this
 
 
-def detect_variant():
-    from sglang.srt.disaggregation.common.conn import CommonKVManager
-
-    detected = "patched" if hasattr(CommonKVManager, "has_parallel_info") else "stock"
-    label = os.environ.get("SGLANG_PD_VARIANT")
-    return (label or detected), detected
-
-
 def fetch_threads(decode):
     executor = getattr(decode.kv_manager, "_parallel_info_executor", None)
     return None if executor is None else len(executor._threads)
@@ -460,7 +452,7 @@ def main(argv=None) -> int:
         # Full: two parallel-info attempts against a frozen server (5 s each).
         args.duration_s = 4.0 if args.quick else 10.0
 
-    variant, detected = detect_variant()
+    variant, detected = harness.detect_variant()
     bench = Bench(args, variant)
     bench.variant_detected = detected
     started = datetime.datetime.now(datetime.timezone.utc)

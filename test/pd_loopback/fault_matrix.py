@@ -121,6 +121,12 @@ class Run:
     def finish(self, timeout_s: float = RUN_CAP_S) -> None:
         self.cycles(self.all_done, timeout_s)
 
+    def settle_fetches(self, kind: Optional[str] = None) -> None:
+        """Cycles until no HTTP request to the faulty prefill (of ``kind``)
+        is in flight: a fetch left from the fault has returned."""
+        port = self.faulty.bootstrap_port
+        self.cycles(lambda: harness.HTTP.in_flight(port, kind) == 0, 15)
+
 
 class Matrix:
     """A cluster of 3 prefills and the decode side, shared by every run."""
@@ -297,7 +303,7 @@ def frozen(run: Run) -> None:
     run.spread()
     run.finish()
     run.faulty.resume()
-    run.cycles(lambda: harness.HTTP.in_flight(run.faulty.bootstrap_port) == 0, 15)
+    run.settle_fetches()
     run.request(run.faulty)
 
 
@@ -307,7 +313,7 @@ def slow(delay_s: float) -> Callable[[Run], None]:
         run.spread()
         run.finish()
         run.faulty.clear_fault()
-        run.cycles(lambda: harness.HTTP.in_flight(run.faulty.bootstrap_port) == 0, 15)
+        run.settle_fetches()
         run.request(run.faulty)
 
     return body
@@ -404,7 +410,7 @@ def eviction_during_fetch(run: Run) -> None:
     run.finish()
     thread.join(5)
     # The verdict needs the fetch that was in flight to have returned.
-    run.cycles(lambda: harness.HTTP.in_flight(port, "info") == 0, 15)
+    run.settle_fetches("info")
     run.request(run.faulty)
     run.finish()
     if not t_evict:
@@ -657,10 +663,7 @@ def main(argv=None) -> int:
         return teardown_child(args.teardown_child, args.backend)
     wanted = set(args.faults.split(",")) if args.faults else None
     faults = [f for f in FAULTS if wanted is None or f.name in wanted]
-    from sglang.srt.disaggregation.common.conn import CommonKVManager
-
-    detected = "patched" if hasattr(CommonKVManager, "has_parallel_info") else "stock"
-    variant = os.environ.get("SGLANG_PD_VARIANT") or detected
+    variant, _ = harness.detect_variant()
     runs = []
     harness.install_signal_handlers()
     with Matrix(args.backend) as m:

@@ -663,6 +663,16 @@ class HttpLog:
 HTTP = HttpLog()
 
 
+def detect_variant() -> Tuple[str, str]:
+    """(label, detected) of the sglang under test: detected is "patched" when
+    CommonKVManager has has_parallel_info(), else "stock"; the label is
+    SGLANG_PD_VARIANT when set, else the detected name."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    detected = "patched" if hasattr(CommonKVManager, "has_parallel_info") else "stock"
+    return os.environ.get("SGLANG_PD_VARIANT") or detected, detected
+
+
 class _Recorded:
     """Times a call on the current thread and collects its HTTP requests."""
 
@@ -702,11 +712,7 @@ class DecodeSide:
         server_args: Optional[dict] = None,
     ):
         import torch  # noqa: F401  (sglang expects torch imported first)
-        from sglang.srt.disaggregation.utils import (
-            ReqToMetadataIdxAllocator,
-            TransferBackend,
-        )
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.disaggregation.utils import TransferBackend
         from sglang.srt.runtime_context import get_disagg, get_parallel
 
         self.backend = backend
@@ -724,12 +730,12 @@ class DecodeSide:
         get_parallel().override_permanently(
             attn_tp_group=SimpleNamespace(cpu_group=_SingleRankGroup())
         )
-        self.pool = pd_setup.make_kv_pool()
-        self.metadata_buffers = pd_setup.make_metadata_buffers(self.server_args)
-        self.allocator = TokenToKVPoolAllocator(
-            pd_setup.POOL_TOKENS, self.pool.dtype, "cpu", self.pool, need_sort=False
-        )
-        self.metadata_allocator = ReqToMetadataIdxAllocator(pd_setup.METADATA_SLOTS)
+        (
+            self.pool,
+            self.metadata_buffers,
+            self.allocator,
+            self.metadata_allocator,
+        ) = pd_setup.make_kv_buffers(self.server_args)
         self.kv_manager = pd_setup.make_decode_manager(
             backend, self.server_args, self.pool, self.metadata_buffers
         )

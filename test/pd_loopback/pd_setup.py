@@ -164,6 +164,24 @@ def make_metadata_buffers(server_args):
     )
 
 
+def make_kv_buffers(server_args):
+    """(KV pool, metadata buffers, token allocator, metadata slot allocator)
+    of one side, prefill or decode."""
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    pool = make_kv_pool()
+    allocator = TokenToKVPoolAllocator(
+        POOL_TOKENS, pool.dtype, "cpu", pool, need_sort=False
+    )
+    return (
+        pool,
+        make_metadata_buffers(server_args),
+        allocator,
+        ReqToMetadataIdxAllocator(METADATA_SLOTS),
+    )
+
+
 def _common_kv_args(backend: str, pool, metadata_buffers):
     from sglang.srt.disaggregation.utils import (
         KVClassType,

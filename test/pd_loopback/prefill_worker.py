@@ -143,9 +143,6 @@ class Worker:
             self.conn.send(msg)
 
     def setup(self) -> None:
-        from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
         a = self.args
         self.server_args = pd_setup.make_server_args(
             mode="prefill",
@@ -157,12 +154,12 @@ class Worker:
         pd_setup.publish_process(self.server_args)
         self.bootstrap_server = _make_bootstrap_server(a.backend, a.bootstrap_port)
         _wait_port(a.bootstrap_port, 30)
-        self.pool = pd_setup.make_kv_pool()
-        self.metadata_buffers = pd_setup.make_metadata_buffers(self.server_args)
-        self.allocator = TokenToKVPoolAllocator(
-            pd_setup.POOL_TOKENS, self.pool.dtype, "cpu", self.pool, need_sort=False
-        )
-        self.metadata_allocator = ReqToMetadataIdxAllocator(pd_setup.METADATA_SLOTS)
+        (
+            self.pool,
+            self.metadata_buffers,
+            self.allocator,
+            self.metadata_allocator,
+        ) = pd_setup.make_kv_buffers(self.server_args)
         self.manager = pd_setup.make_prefill_manager(
             a.backend, self.server_args, self.pool, self.metadata_buffers
         )
