@@ -25,6 +25,7 @@ import logging
 import random
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -43,7 +44,11 @@ from sglang.srt.disaggregation.checksum import (
     page_indices_for_request,
     state_indices_for_request,
 )
-from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVManager,
+    CommonKVReceiver,
+    bootstrap_fetch_overdue,
+)
 from sglang.srt.disaggregation.decode_hicache_mixin import (
     DecodeHiCachePreallocMixin,
     DecodeHiCacheTransferMixin,
@@ -365,8 +370,6 @@ class DecodeRequest:
     metadata_buffer_index: int = -1
     is_rebootstrap: bool = False
     host_staged: bool = False
-    # Set once pending resolution knows it, so a later cycle does not ask again.
-    prefill_dp_rank: Optional[int] = None
 
     # HiCache Status
     prefix_match: Optional[DecodePrefixMatch] = None
@@ -439,8 +442,12 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self.queue: List[DecodeRequest] = []
         self.retracted_queue: List[Req] = []
         self.pending_reqs: List[DecodeRequest] = []
-        # Retry bookkeeping of the background bootstrap fetches, keyed by addr
-        # for parallel info, ("dp_ranks", addr) and ("routes", addr, dp_rank).
+        # In-flight authoritative room -> DP-rank lookups, consumed below.
+        self._prefill_dp_rank_queries: Dict[
+            str, Tuple[Tuple[int, ...], Future[Dict[str, int]]]
+        ] = {}
+        # Retry bookkeeping of the background fetches: by bootstrap_addr for
+        # parallel info, by (bootstrap_addr, bootstrap_room) for a dp rank.
         self._ensure_retry_count: Dict[str, int] = {}
         self._max_ensure_retries: int = 15  # fetch attempts
         self._ensure_last_attempt_time: Dict[str, float] = {}
@@ -859,9 +866,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             # Fast path: cache-only lookup, no network calls
             prefill_dp_rank = self._resolve_prefill_dp_rank(req)
             logger.debug(f"prefill_dp_rank: {prefill_dp_rank}")
-            if prefill_dp_rank is not None and self.kv_manager.has_bootstrap_infos(
-                _bootstrap_addr(req), prefill_dp_rank
-            ):
+            if prefill_dp_rank is not None:
                 self._init_receiver(decode_req, prefill_dp_rank)
                 return
 
@@ -1012,6 +1017,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             self.add(req, is_retracted=is_retracted)
 
     def release_memory_occupation(self):
+        self._cancel_prefill_dp_rank_queries()
         self.queue.clear()
         for req in self.retracted_queue:
             discard_kv_cache_backup(
@@ -1191,56 +1197,39 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self, addr_to_reqs: Dict[str, List[DecodeRequest]]
     ) -> Tuple[Dict[str, List[DecodeRequest]], List[DecodeRequest]]:
         """Non-blocking ensure parallel info for each addr.
-        Returns (ready_addrs, remaining_reqs)."""
-        # A config mismatch found on the fetch thread is fatal. Raise it before
-        # the abort below can report it as retry exhaustion.
-        self.kv_manager.raise_parallel_info_error()
-        return self._ensure_fetched(
-            addr_to_reqs,
-            has=self.kv_manager.has_parallel_info,
-            in_flight=self.kv_manager.parallel_info_fetch_in_flight,
-            try_fetch=self.kv_manager.try_ensure_parallel_info,
-            describe=lambda addr: f"prefill parallel info from {addr}",
-        )
+        Returns (ready_addrs, remaining_reqs).
 
-    def _ensure_fetched(
-        self,
-        key_to_reqs: Dict[Any, List[DecodeRequest]],
-        has: Callable[[Any], bool],
-        in_flight: Callable[[Any], bool],
-        try_fetch: Callable[[Any], bool],
-        describe: Callable[[Any], str],
-    ) -> Tuple[Dict[Any, List[DecodeRequest]], List[DecodeRequest]]:
-        """Retry bookkeeping shared by the background bootstrap fetches (see
-        CommonKVManager._try_ensure_fetched). Returns (ready, remaining)."""
-        ready: Dict[Any, List[DecodeRequest]] = {}
+        try_ensure_parallel_info() fetches in the background, so an attempt can
+        outlive a cycle: the budget counts fetch attempts, and a cycle that
+        only waits on one spends nothing."""
+        # A config mismatch found on the fetch thread is fatal. Raise it before
+        # the abort below could report it as retry exhaustion.
+        self.kv_manager.raise_parallel_info_error()
+        ready: Dict[str, List[DecodeRequest]] = {}
         remaining: List[DecodeRequest] = []
 
         now = time.monotonic()
-        for key, reqs in key_to_reqs.items():
-            # A fetch that landed since the last cycle is consumed now, not
-            # after the retry interval.
-            if has(key):
-                self._clear_ensure_state(key)
-                ready[key] = reqs
+        for bootstrap_addr, reqs in addr_to_reqs.items():
+            # A fetch that landed since the last cycle is used now, not after
+            # the retry interval.
+            if self.kv_manager.has_parallel_info(bootstrap_addr):
+                self._clear_ensure_state(bootstrap_addr)
+                ready[bootstrap_addr] = reqs
                 continue
 
-            # Waiting for an outstanding fetch spends no attempt.
-            if in_flight(key):
+            if self.kv_manager.parallel_info_fetch_in_flight(bootstrap_addr):
                 remaining.extend(reqs)
                 continue
 
-            # Decide the abort as soon as the last attempt has ended (no fetch
-            # is in flight here, or it is overdue), as 0.5.23 did inline: a
-            # request added meanwhile then gets a fresh budget.
-            count = self._ensure_retry_count.get(key, 0)
+            # No fetch is outstanding, so every attempt counted has ended.
+            count = self._ensure_retry_count.get(bootstrap_addr, 0)
             if count >= self._max_ensure_retries:
                 # The last fetch may have published since the check above.
-                if has(key):
-                    self._clear_ensure_state(key)
-                    ready[key] = reqs
+                if self.kv_manager.has_parallel_info(bootstrap_addr):
+                    self._clear_ensure_state(bootstrap_addr)
+                    ready[bootstrap_addr] = reqs
                     continue
-                error_msg = f"Could not fetch {describe(key)} after {count} attempts"
+                error_msg = f"Could not fetch prefill parallel info from {bootstrap_addr} after {count} attempts"
                 logger.error(error_msg)
                 failure_reason = (
                     f"{error_msg}. Check that the prefill server is up and that "
@@ -1250,39 +1239,149 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 for decode_req in reqs:
                     # kv_receiver may be None from a prior self.queue cleanup
                     if decode_req.kv_receiver is not None:
-                        decode_req.kv_receiver.abort(failure_reason=failure_reason)
-                self._clear_ensure_state(key)
+                        decode_req.kv_receiver.abort()
+                        # abort() records "Aborted by AbortReq."; keep the cause.
+                        self.kv_manager.record_failure(
+                            decode_req.kv_receiver.bootstrap_room, failure_reason
+                        )
+                self._clear_ensure_state(bootstrap_addr)
                 continue
 
-            last_attempt = self._ensure_last_attempt_time.get(key)
+            last_attempt = self._ensure_last_attempt_time.get(bootstrap_addr)
             if last_attempt is not None and (
                 now - last_attempt < self._ensure_retry_interval
             ):
                 remaining.extend(reqs)
                 continue
 
-            self._ensure_last_attempt_time[key] = now
-            self._ensure_retry_count[key] = count + 1
-            if try_fetch(key):
-                self._clear_ensure_state(key)
-                ready[key] = reqs
+            self._ensure_last_attempt_time[bootstrap_addr] = now
+            self._ensure_retry_count[bootstrap_addr] = count + 1
+
+            if self.kv_manager.try_ensure_parallel_info(bootstrap_addr):
+                self._clear_ensure_state(bootstrap_addr)
+                ready[bootstrap_addr] = reqs
             else:
                 remaining.extend(reqs)
 
         return ready, remaining
 
     def _clear_ensure_state(self, key) -> None:
-        """Drop the retry bookkeeping of an addr (parallel info) or of a
-        ("dp_ranks", ...) / ("routes", ...) key."""
+        """Drop the retry bookkeeping of a bootstrap_addr (parallel info) or of
+        a (bootstrap_addr, bootstrap_room) (dp rank)."""
         self._ensure_retry_count.pop(key, None)
         self._ensure_last_attempt_time.pop(key, None)
+
+    def _drop_idle_ensure_state(self) -> None:
+        """A retry budget lasts as long as a pending request needs it, however
+        the last one left: a later request starts with a fresh budget."""
+        live = set()
+        for decode_req in self.pending_reqs:
+            bootstrap_addr = _bootstrap_addr(decode_req.req)
+            live.add(bootstrap_addr)
+            live.add((bootstrap_addr, decode_req.req.bootstrap_room))
+        for key in set(self._ensure_retry_count) | set(self._ensure_last_attempt_time):
+            if key not in live:
+                self._clear_ensure_state(key)
+
+    def _dp_rank_query_due(
+        self, bootstrap_addr: str, decode_req: DecodeRequest, now: float
+    ) -> bool:
+        """Whether a pending request's room goes into the next dp-rank query:
+        asked at most once per retry interval and within its budget."""
+        key = (bootstrap_addr, decode_req.req.bootstrap_room)
+        if self._ensure_retry_count.get(key, 0) >= self._max_ensure_retries:
+            return False
+        last_attempt = self._ensure_last_attempt_time.get(key)
+        return last_attempt is None or now - last_attempt >= self._ensure_retry_interval
+
+    def _submit_prefill_dp_rank_query(
+        self, bootstrap_addr: str, decode_reqs: List[DecodeRequest], now: float
+    ) -> None:
+        rooms = tuple(decode_req.req.bootstrap_room for decode_req in decode_reqs)
+        for room in rooms:
+            key = (bootstrap_addr, room)
+            self._ensure_last_attempt_time[key] = now
+            self._ensure_retry_count[key] = self._ensure_retry_count.get(key, 0) + 1
+        future = self.kv_manager._ensure_prefill_recompute_executor().submit(
+            CommonKVReceiver.query_prefill_dp_ranks,
+            bootstrap_addr,
+            list(rooms),
+        )
+        self._prefill_dp_rank_queries[bootstrap_addr] = (rooms, future)
+
+    def prefetch_prefill_dp_rank_queries(self) -> None:
+        """Start DP-rank lookups before their normal consume point."""
+        if not self.pending_reqs:
+            return
+
+        queries = self._prefill_dp_rank_queries
+
+        addr_to_reqs: Dict[str, List[DecodeRequest]] = {}
+        for decode_req in self.pending_reqs:
+            addr = _bootstrap_addr(decode_req.req)
+            addr_to_reqs.setdefault(addr, []).append(decode_req)
+
+        for bootstrap_addr in set(queries) - set(addr_to_reqs):
+            _, stale_future = queries.pop(bootstrap_addr)
+            stale_future.cancel()
+
+        now = time.monotonic()
+        for bootstrap_addr, decode_reqs in addr_to_reqs.items():
+            if bootstrap_addr in queries:
+                continue
+            if self.kv_manager.prefill_info_table.get(bootstrap_addr) is None:
+                continue
+
+            due = [
+                decode_req
+                for decode_req in decode_reqs
+                if self._resolve_prefill_dp_rank(decode_req.req) is None
+                and self._dp_rank_query_due(bootstrap_addr, decode_req, now)
+            ]
+            if due:
+                self._submit_prefill_dp_rank_query(bootstrap_addr, due, now)
+
+    def _take_prefill_dp_rank_answer(
+        self, bootstrap_addr: str
+    ) -> Tuple[Dict[str, int], Tuple[int, ...]]:
+        """(room -> dp rank of a query that has landed, rooms of the query
+        still in flight). Never waits: an answer that has not landed by this
+        consume point is looked at again in a later cycle."""
+        query = self._prefill_dp_rank_queries.get(bootstrap_addr)
+        if query is None:
+            return {}, ()
+        rooms, future = query
+        if not future.done():
+            if not bootstrap_fetch_overdue(future):
+                return {}, rooms
+            logger.warning(
+                f"Prefill dp-rank query to {bootstrap_addr} has not ended "
+                f"{future.timeout_s} s after it started; asking again."
+            )
+        del self._prefill_dp_rank_queries[bootstrap_addr]
+        if not future.done():
+            return {}, ()
+        try:
+            return future.result(), ()
+        except Exception:
+            # Not a configuration mismatch: a failed attempt, not a crash.
+            logger.exception(f"Prefill dp-rank query to {bootstrap_addr} failed")
+            return {}, ()
+
+    def _cancel_prefill_dp_rank_queries(self) -> None:
+        for _, future in self._prefill_dp_rank_queries.values():
+            future.cancel()
+        self._prefill_dp_rank_queries.clear()
 
     def _resolve_pending_reqs(self) -> None:
         """Batch-resolve prefill_dp_ranks for pending requests and initialize receivers.
 
-        Each pass only reads caches and starts background fetches on the kv
-        manager; a request whose answer has not landed stays pending."""
+        Never waits on the network: parallel info and dp ranks are fetched in
+        the background, and a request whose answer has not landed stays
+        pending. receiver.init() does the same for the per-rank routes."""
         if not self.pending_reqs:
+            self._cancel_prefill_dp_rank_queries()
+            self._drop_idle_ensure_state()
             return
 
         # Group pending requests by bootstrap_addr
@@ -1291,85 +1390,88 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             addr = _bootstrap_addr(decode_req.req)
             addr_to_reqs.setdefault(addr, []).append(decode_req)
 
-        # Pass 1: ensure parallel info for each addr
-        ready_addrs, remaining = self._ensure_prefill_info(addr_to_reqs)
+        # Pass 1: ensure parallel info for each addr; a cached one is a dict
+        # lookup, as in add().
+        ready_addrs: Dict[str, List[DecodeRequest]] = {}
+        to_ensure: Dict[str, List[DecodeRequest]] = {}
+        for bootstrap_addr, decode_reqs in addr_to_reqs.items():
+            if bootstrap_addr in self.kv_manager.prefill_info_table:
+                self._clear_ensure_state(bootstrap_addr)
+                ready_addrs[bootstrap_addr] = decode_reqs
+            else:
+                to_ensure[bootstrap_addr] = decode_reqs
+        remaining: List[DecodeRequest] = []
+        if to_ensure:
+            ensured, remaining = self._ensure_prefill_info(to_ensure)
+            ready_addrs.update(ensured)
 
         resolved: List[Tuple[DecodeRequest, int]] = []
-        need_query: Dict[Tuple[str, str], List[DecodeRequest]] = {}
+        now = time.monotonic()
         for bootstrap_addr, decode_reqs in ready_addrs.items():
+            need_query: List[DecodeRequest] = []
             for decode_req in decode_reqs:
-                prefill_dp_rank = decode_req.prefill_dp_rank
-                if prefill_dp_rank is None:
-                    prefill_dp_rank = self._resolve_prefill_dp_rank(decode_req.req)
+                prefill_dp_rank = self._resolve_prefill_dp_rank(decode_req.req)
                 if prefill_dp_rank is not None:
                     resolved.append((decode_req, prefill_dp_rank))
                 else:
-                    key = ("dp_ranks", bootstrap_addr)
-                    need_query.setdefault(key, []).append(decode_req)
+                    need_query.append(decode_req)
 
-        # Pass 2: resolve dp rank for addrs whose info is available
-        answered, waiting = self._ensure_fetched(
-            need_query,
-            has=lambda key: self.kv_manager.has_prefill_dp_ranks(key[1]),
-            in_flight=lambda key: self.kv_manager.prefill_dp_rank_query_in_flight(
-                key[1]
-            ),
-            try_fetch=lambda key: self.kv_manager.try_query_prefill_dp_ranks(
-                key[1], [r.req.bootstrap_room for r in need_query[key]]
-            ),
-            describe=lambda key: f"prefill dp ranks from {key[1]}",
-        )
-        remaining.extend(waiting)
-        for (_, bootstrap_addr), decode_reqs in answered.items():
-            room_to_rank = self.kv_manager.pop_prefill_dp_ranks(bootstrap_addr)
-            for decode_req in decode_reqs:
-                prefill_dp_rank = room_to_rank.get(str(decode_req.req.bootstrap_room))
-                if prefill_dp_rank is not None:
-                    resolved.append((decode_req, int(prefill_dp_rank)))
-                else:
-                    # Not registered on the prefill yet: ask again next cycle.
-                    remaining.append(decode_req)
-
-        # Pass 3: fetch the per-rank routes that receiver.init() reads
-        need_routes: Dict[Tuple[str, str, int], List[DecodeRequest]] = {}
-        for decode_req, prefill_dp_rank in resolved:
-            decode_req.prefill_dp_rank = prefill_dp_rank
-            key = ("routes", _bootstrap_addr(decode_req.req), prefill_dp_rank)
-            need_routes.setdefault(key, []).append(decode_req)
-        routed, waiting = self._ensure_fetched(
-            need_routes,
-            has=lambda key: self.kv_manager.has_bootstrap_infos(key[1], key[2]),
-            in_flight=lambda key: self.kv_manager.bootstrap_infos_fetch_in_flight(
-                key[1], key[2]
-            ),
-            try_fetch=lambda key: self._try_ensure_bootstrap_infos(
-                need_routes[key], key[2]
-            ),
-            describe=lambda key: (
-                f"bootstrap info for prefill_dp_rank {key[2]} from {key[1]}"
-            ),
-        )
-        remaining.extend(waiting)
-        self.pending_reqs = remaining
-
-        for (_, bootstrap_addr, prefill_dp_rank), decode_reqs in routed.items():
-            for decode_req in decode_reqs:
-                # An init earlier in this loop may have invalidated the routes.
-                if self.kv_manager.has_bootstrap_infos(bootstrap_addr, prefill_dp_rank):
-                    self._init_receiver(decode_req, prefill_dp_rank)
-                else:
-                    self.pending_reqs.append(decode_req)
-
-    def _try_ensure_bootstrap_infos(
-        self, decode_reqs: List[DecodeRequest], prefill_dp_rank: int
-    ) -> bool:
-        for decode_req in decode_reqs:
-            # kv_receiver may be None from a prior self.queue cleanup
-            if decode_req.kv_receiver is not None:
-                return self.kv_manager.try_ensure_bootstrap_infos(
-                    decode_req.kv_receiver, prefill_dp_rank
+            # Pass 2: resolve dp rank for addrs whose info is available
+            if need_query:
+                room_to_rank, in_flight = self._take_prefill_dp_rank_answer(
+                    bootstrap_addr
                 )
-        return False
+                due: List[DecodeRequest] = []
+                for decode_req in need_query:
+                    room = decode_req.req.bootstrap_room
+                    prefill_dp_rank = room_to_rank.get(str(room))
+                    if prefill_dp_rank is not None:
+                        self._clear_ensure_state((bootstrap_addr, room))
+                        resolved.append((decode_req, int(prefill_dp_rank)))
+                        continue
+                    count = self._ensure_retry_count.get((bootstrap_addr, room), 0)
+                    if room not in in_flight and count >= self._max_ensure_retries:
+                        self._abort_dp_rank_query(bootstrap_addr, decode_req, count)
+                        continue
+                    # Not answered yet, or not registered on the prefill yet:
+                    # ask again once the retry interval has passed.
+                    remaining.append(decode_req)
+                    if room not in in_flight and self._dp_rank_query_due(
+                        bootstrap_addr, decode_req, now
+                    ):
+                        due.append(decode_req)
+                if due and bootstrap_addr not in self._prefill_dp_rank_queries:
+                    self._submit_prefill_dp_rank_query(bootstrap_addr, due, now)
+            else:
+                prefetched = self._prefill_dp_rank_queries.pop(bootstrap_addr, None)
+                if prefetched is not None:
+                    prefetched[1].cancel()
+
+        self.pending_reqs = remaining
+        self._drop_idle_ensure_state()
+
+        for decode_req, prefill_dp_rank in resolved:
+            self._init_receiver(decode_req, prefill_dp_rank)
+
+    def _abort_dp_rank_query(
+        self, bootstrap_addr: str, decode_req: DecodeRequest, count: int
+    ) -> None:
+        room = decode_req.req.bootstrap_room
+        error_msg = (
+            f"Could not fetch the prefill dp rank of bootstrap_room {room} from "
+            f"{bootstrap_addr} after {count} attempts"
+        )
+        logger.error(error_msg)
+        self._clear_ensure_state((bootstrap_addr, room))
+        # kv_receiver may be None from a prior self.queue cleanup
+        if decode_req.kv_receiver is not None:
+            decode_req.kv_receiver.abort()
+            self.kv_manager.record_failure(
+                room,
+                f"{error_msg}: the prefill did not report this room. Check that "
+                f"the request reached the prefill server and that its bootstrap "
+                f"server is healthy; the decode log has the error of each attempt.",
+            )
 
     def pop_preallocated(
         self,
@@ -1451,6 +1553,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             self.pending_reqs = [
                 r for r in self.pending_reqs if id(r) not in failed_ids
             ]
+            self._drop_idle_ensure_state()
 
         # HiSparse physical constraint: max requests by device buffer capacity.
         # Each admitted req needs a padded buffer plus its speculative scratch.
@@ -1872,6 +1975,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             self.pending_reqs = [
                 r for r in self.pending_reqs if id(r) not in failed_ids
             ]
+            self._drop_idle_ensure_state()
             for decode_req in failed_reqs:
                 if decode_req.req.kv.holds_mamba and not decode_req.req.kv.holds_kv:
                     release_kv_cache(decode_req.req, self.tree_cache, checkpoint=False)
@@ -3168,6 +3272,10 @@ class SchedulerDisaggregationDecodeMixin:
             if self.gracefully_exit:
                 break
 
+            # Pending rooms from the prior cycle can overlap request intake and
+            # the tail of the in-flight decode graph.
+            if not self._engine_paused:
+                self.disagg_decode_prealloc_queue.prefetch_prefill_dp_rank_queries()
             # Receive requests
             self.ingest_requests()
             if self._engine_paused:
@@ -3211,6 +3319,10 @@ class SchedulerDisaggregationDecodeMixin:
             if self.gracefully_exit:
                 break
 
+            # Pending rooms from the prior cycle can overlap request intake and
+            # the tail of the in-flight decode graph.
+            if not self._engine_paused:
+                self.disagg_decode_prealloc_queue.prefetch_prefill_dp_rank_queries()
             # Receive requests
             self.ingest_requests()
             if self._engine_paused:

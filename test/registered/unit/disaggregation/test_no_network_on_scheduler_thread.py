@@ -1,16 +1,19 @@
-"""No code path of the decode scheduling cycle waits on a socket.
+"""No code path of the decode scheduling cycle waits on a bootstrap server.
 
-Besides the parallel-info fetch (test_parallel_info_nonblocking.py), the cycle
-used to make the dp-rank query and the per-rank ``/route`` lookups of
-``CommonKVReceiver.init`` inline. CPU-only, no sleeps: fetch threads are
-coordinated with ``threading.Event`` and a single-worker executor barrier, and
-the one real HTTP server is a fake bootstrap server on 127.0.0.1.
+Besides the parallel-info fetch (test_parallel_info_nonblocking.py) and the
+dp-rank query (test_prefill_dp_rank_query.py), ``CommonKVReceiver.init`` looked
+the per-rank routes up inline on a ``connection_pool`` miss. Here: the
+admission fast path and the route cache built the way sglang's own tests build
+them, the background route setup, and one first contact end to end against a
+fake bootstrap server on 127.0.0.1 with every HTTP request's thread recorded.
+CPU-only, no sleeps: fetch threads are coordinated with ``threading.Event`` and
+a single-worker fetch pool used as a barrier.
 """
 
 import json
 import threading
 import unittest
-from concurrent.futures import ThreadPoolExecutor
+from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from unittest import mock
@@ -20,25 +23,104 @@ import urllib3
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common import conn as conn_mod
-from sglang.srt.disaggregation.common.conn import CommonKVReceiver
-from sglang.srt.disaggregation.decode import DecodeRequest, _bootstrap_addr
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVManager,
+    CommonKVReceiver,
+    KVTransferError,
+    PrefillServerInfo,
+)
+from sglang.srt.disaggregation.decode import (
+    DecodePreallocQueue,
+    DecodeRequest,
+    _bootstrap_addr,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from test_parallel_info_nonblocking import (
     ADDR,
+    PAGE_SIZE,
     PREFILL_INFO,
-    FakeGet,
-    FakeResponse,
+    set_decode_config,
 )
-from test_parallel_info_nonblocking import _Base as _FetchTestBase
-from test_parallel_info_nonblocking import drain, make_manager, make_queue
 
-register_cpu_ci(est_time=20, suite="base-a-test-cpu")
+register_cpu_ci(est_time=15, suite="base-a-test-cpu")
 
 _WAIT_S = 30
 # Prefill dp_size 2 that does not follow the bootstrap room (so decode must
 # query the dp rank), attention TP 2 against decode TP 1 (two routes each).
 DP_TP_INFO = dict(PREFILL_INFO, dp_size=2, attn_tp_size=2, follow_bootstrap_room=False)
+
+
+def make_decode_manager(workers: int = 1) -> CommonKVManager:
+    """A decode-mode CommonKVManager with the state the bootstrap path reads
+    and a real fetch pool; with one worker, it doubles as a barrier."""
+    mgr = CommonKVManager.__new__(CommonKVManager)
+    set_decode_config(
+        mgr,
+        kv_args=SimpleNamespace(page_size=PAGE_SIZE, state_types=[], engine_rank=0),
+    )
+    mgr.attn_cp_rank = 0
+    mgr.pp_rank = 0
+    mgr.enable_all_cp_ranks_for_transfer = False
+    mgr.enable_staging = False
+    mgr.defer_decode_allocation = False
+    mgr.deferred_bootstrap = None
+    mgr.connection_lock = threading.Lock()
+    mgr.connection_pool = {}
+    mgr.prefill_info_table = {}
+    mgr.heartbeat_failures = {}
+    mgr.failure_records = {}
+    mgr.failure_lock = threading.Lock()
+    mgr.request_status = {}
+    mgr.required_prefill_response_num_table = {}
+    mgr.prefill_response_tracker = {}
+    mgr.addr_to_rooms_tracker = defaultdict(set)
+    mgr._deferred_ack_targets = {}
+    mgr._deferred_ack_poisoned_rooms = set()
+    mgr._staging_outstanding = defaultdict(int)
+    mgr._parallel_info_executor = conn_mod._BootstrapFetchExecutor(
+        workers, "test-fetch"
+    )
+    mgr._prefill_recompute_executor = mgr._parallel_info_executor
+    mgr._parallel_info_inflight = set()
+    mgr._parallel_info_fatal = None
+    mgr._bootstrap_setups = {}
+    return mgr
+
+
+def drain(mgr: CommonKVManager) -> None:
+    """Barrier on a single-worker pool: every fetch submitted so far ended."""
+    mgr._parallel_info_executor.submit(lambda: None).result(timeout=_WAIT_S)
+
+
+def cache_info(mgr: CommonKVManager, addr: str, info: dict = PREFILL_INFO):
+    prefill_info = PrefillServerInfo(**info)
+    mgr._resolve_rank_mapping(prefill_info)
+    mgr.prefill_info_table[addr] = prefill_info
+    return prefill_info
+
+
+def make_queue(kv_manager, max_retries: int = 15) -> DecodePreallocQueue:
+    queue = DecodePreallocQueue.__new__(DecodePreallocQueue)
+    queue.kv_manager = kv_manager
+    queue._prefill_dp_rank_queries = {}
+    queue._ensure_retry_count = {}
+    queue._max_ensure_retries = max_retries
+    queue._ensure_last_attempt_time = {}
+    queue._ensure_retry_interval = 1.0
+    queue.queue = []
+    queue.retracted_queue = []
+    queue.pending_reqs = []
+    return queue
+
+
+def make_req(port: int, room: int):
+    return SimpleNamespace(
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=port,
+        bootstrap_room=room,
+        disagg_prefill_dp_rank=None,
+    )
 
 
 def route_port(dp_rank: int, tp_rank: int) -> int:
@@ -111,30 +193,29 @@ class NetworkSentinel:
         return recorded
 
 
-def make_req(port: int, room: int):
-    return SimpleNamespace(
-        bootstrap_host="127.0.0.1",
-        bootstrap_port=port,
-        bootstrap_room=room,
-        disagg_prefill_dp_rank=None,
-    )
+def patch_early_policy(test: CustomTestCase) -> None:
+    disagg = SimpleNamespace(disaggregation_decode_allocation_policy="early")
+    for module in (decode_mod, conn_mod):
+        patcher = mock.patch.object(module, "get_disagg", return_value=disagg)
+        patcher.start()
+        test.addCleanup(patcher.stop)
 
 
-class _Base(_FetchTestBase):
+class _Base(CustomTestCase):
     def setUp(self):
         super().setUp()
-        disagg = SimpleNamespace(disaggregation_decode_allocation_policy="early")
-        for patcher in (
-            mock.patch.object(decode_mod, "get_disagg", return_value=disagg),
-            mock.patch.object(conn_mod, "get_disagg", return_value=disagg),
-            # The ZMQ registration is bounded by SNDTIMEO and out of scope here.
-            mock.patch.object(CommonKVReceiver, "_register_kv_args", return_value=True),
-        ):
-            patcher.start()
-            self.addCleanup(patcher.stop)
+        patch_early_policy(self)
+        # The ZMQ registration with the prefill ranks is out of scope here.
+        patcher = mock.patch.object(
+            CommonKVReceiver, "_register_kv_args", return_value=True
+        )
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        self.mgr = make_decode_manager()
+        self.addCleanup(
+            self.mgr._parallel_info_executor.shutdown, wait=False, cancel_futures=True
+        )
         self.queue = make_queue(self.mgr)
-        self.queue.pending_reqs = []
-        self.queue.queue = []
 
     def add(self, req) -> DecodeRequest:
         """DecodePreallocQueue.add() with the scheduler-owned pieces it does
@@ -146,6 +227,7 @@ class _Base(_FetchTestBase):
                 self.mgr, _bootstrap_addr(req), req.bootstrap_room
             )
             created.append(DecodeRequest(req=req, kv_receiver=receiver))
+            self.queue.queue.append(created[-1])
             return created[-1]
 
         with (
@@ -160,16 +242,21 @@ class _Base(_FetchTestBase):
             self.queue.add(req)
         return created[0]
 
-    def cycle(self):
-        """One scheduling cycle's pending resolution, then let the fetches
-        it started finish before the next one."""
+    def cycle(self) -> None:
+        """One scheduling cycle's bootstrap work, as the decode event loop
+        does it, then let the fetches it started finish."""
+        self.queue.prefetch_prefill_dp_rank_queries()
         self.queue._resolve_pending_reqs()
+        for decode_req in self.queue.queue:
+            decode_req.kv_receiver.poll()
         drain(self.mgr)
-        self.clock.now += 0.1
+        # The next cycle may ask again: the retry interval has passed.
+        for key in self.queue._ensure_last_attempt_time:
+            self.queue._ensure_last_attempt_time[key] -= 1.0
 
 
-class TestSchedulerThreadMakesNoNetworkCall(_Base):
-    def test_first_contact_dp_rank_and_routes_run_off_the_scheduler_thread(self):
+class TestFirstContactEndToEnd(_Base):
+    def test_parallel_info_dp_rank_and_routes_run_off_the_scheduler_thread(self):
         server = FakeBootstrapServer(DP_TP_INFO)
         self.addCleanup(server.stop)
         sentinel = NetworkSentinel(self)
@@ -177,12 +264,14 @@ class TestSchedulerThreadMakesNoNetworkCall(_Base):
         self.assertEqual(len(self.queue.pending_reqs), 2)
 
         cycles = 0
-        while self.queue.pending_reqs and cycles < 20:
+        while cycles < 20 and any(
+            r.kv_receiver.poll() != KVPoll.WaitingForInput for r in decode_reqs
+        ):
             self.cycle()
             cycles += 1
 
         self.assertEqual(self.queue.pending_reqs, [])
-        # Parallel info, then dp ranks, then routes: each lands in a later cycle.
+        # Parallel info, dp ranks, routes: each needs a cycle of its own.
         self.assertGreaterEqual(cycles, 3)
         for decode_req in decode_reqs:
             receiver = decode_req.kv_receiver
@@ -197,11 +286,9 @@ class TestSchedulerThreadMakesNoNetworkCall(_Base):
         self.assertNotIn(threading.current_thread(), sentinel.threads)
 
     def test_warm_caches_admit_in_add_without_any_fetch(self):
-        addr = f"127.0.0.1:{9}"
+        addr = "127.0.0.1:9"
         self.mgr._parallel_info_executor = mock.MagicMock()
-        info = conn_mod.PrefillServerInfo(**PREFILL_INFO)
-        self.mgr._resolve_rank_mapping(info)
-        self.mgr.prefill_info_table[addr] = info
+        cache_info(self.mgr, addr)
         self.mgr.connection_pool[f"{addr}_0_0_0"] = [
             {"rank_ip": "127.0.0.1", "rank_port": 1, "pp_rank": 0, "is_dummy": False}
         ]
@@ -213,101 +300,320 @@ class TestSchedulerThreadMakesNoNetworkCall(_Base):
         self.mgr._parallel_info_executor.submit.assert_not_called()
 
 
+class TestAdmissionFastPath(CustomTestCase):
+    """sglang's shape: the queue is a SimpleNamespace with no kv_manager at
+    all, the real _init_receiver bound to it, then DecodePreallocQueue.add()."""
+
+    def test_cache_hit_admits_without_touching_the_kv_manager(self):
+        patch_early_policy(self)
+        kv_receiver = mock.MagicMock()
+        queue = SimpleNamespace(
+            scheduler=mock.MagicMock(),
+            token_to_kv_pool_allocator=mock.MagicMock(),
+            retracted_queue=[],
+            pending_reqs=[],
+            _check_if_req_exceed_kv_capacity=lambda req: False,
+            _create_receiver_and_enqueue=lambda req, is_rebootstrap=False: (
+                SimpleNamespace(req=req, kv_receiver=kv_receiver)
+            ),
+            _resolve_prefill_dp_rank=lambda req: 0,
+        )
+        queue._init_receiver = DecodePreallocQueue._init_receiver.__get__(queue)
+
+        with mock.patch.object(decode_mod, "is_unadmitted_reject", return_value=False):
+            DecodePreallocQueue.add(queue, make_req(8998, room=1))
+
+        kv_receiver.init.assert_called_once_with(0)
+        self.assertEqual(queue.pending_reqs, [])
+
+
+class CountingReceiver(CommonKVReceiver):
+    """sglang's shape for the route cache: object.__new__ of a subclass whose
+    lookups are counted and whose registration always succeeds."""
+
+    def __init__(self):
+        raise AssertionError("built with object.__new__")
+
+    def _get_bootstrap_info_from_server(
+        self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank
+    ):
+        self.lookups.append(
+            (prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
+        )
+        return {"rank_ip": "127.0.0.1", "rank_port": 7000 + target_tp_rank}
+
+    def _register_kv_args(self) -> bool:
+        return True
+
+
+class TestReceiverRouteCache(CustomTestCase):
+    def setUp(self):
+        super().setUp()
+        self.kv_mgr = SimpleNamespace(
+            connection_pool={}, connection_lock=threading.Lock(), is_mla_backend=False
+        )
+
+    def receiver(self) -> CountingReceiver:
+        receiver = object.__new__(CountingReceiver)
+        receiver.kv_mgr = self.kv_mgr
+        receiver.bootstrap_addr = ADDR
+        receiver.bootstrap_room = 1
+        receiver.prefill_dp_rank = 0
+        receiver.target_cp_ranks = [0]
+        receiver.target_tp_rank = 0
+        receiver.target_tp_ranks = [0, 1]
+        receiver.target_pp_ranks = [0]
+        receiver._connection_pool_entries = {}
+        receiver.lookups = []
+        return receiver
+
+    def test_a_miss_looks_up_every_rank_and_a_hit_none(self):
+        first, second = self.receiver(), self.receiver()
+
+        first._setup_bootstrap_infos()
+        second._setup_bootstrap_infos()
+
+        self.assertEqual(first.lookups, [(0, 0, 0, 0), (0, 0, 1, 0)])
+        self.assertEqual(second.lookups, [])
+        self.assertIs(second.bootstrap_infos[0], first.bootstrap_infos[0])
+        self.assertEqual([i["rank_port"] for i in first.bootstrap_infos], [7000, 7001])
+
+    def test_after_an_invalidation_the_next_receiver_looks_up_again(self):
+        first = self.receiver()
+        first._setup_bootstrap_infos()
+
+        first.invalidate_cached_bootstrap_infos()
+        again = self.receiver()
+        again._setup_bootstrap_infos()
+
+        self.assertEqual(len(again.lookups), 2)
+        self.assertEqual(self.kv_mgr.connection_pool, {f"{ADDR}_0_0_0": mock.ANY})
+
+    def test_invalidation_keeps_an_entry_another_receiver_replaced(self):
+        stale = self.receiver()
+        stale._setup_bootstrap_infos()
+        stale.invalidate_cached_bootstrap_infos()
+        fresh = self.receiver()
+        fresh._setup_bootstrap_infos()
+        replaced = self.kv_mgr.connection_pool[f"{ADDR}_0_0_0"]
+
+        stale._connection_pool_entries[f"{ADDR}_0_0_0"] = ["an older entry"]
+        stale.invalidate_cached_bootstrap_infos()
+
+        self.assertIs(self.kv_mgr.connection_pool[f"{ADDR}_0_0_0"], replaced)
+
+
 class BlockingRoute:
     """Stands in for CommonKVReceiver._get_bootstrap_info_from_server."""
 
-    def __init__(self, block: bool = True, answer: bool = True):
+    def __init__(self, block: bool = False, answer: bool = True, on_call=None):
         self.block = block
         self.answer = answer
-        self.calls = 0
+        self.on_call = on_call
+        self.calls = []
+        self.threads = []
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def __call__(self, dp_rank, cp_rank, tp_rank, pp_rank):
-        self.calls += 1
+    def __call__(self, receiver, dp_rank, cp_rank, tp_rank, pp_rank):
+        self.calls.append((dp_rank, cp_rank, tp_rank, pp_rank))
+        self.threads.append(threading.current_thread())
+        if self.on_call is not None:
+            self.on_call()
         if self.block:
             self.entered.set()
             if not self.release.wait(_WAIT_S):
                 raise TimeoutError("fake route lookup was never released")
         if not self.answer:
             return None
-        return {"rank_ip": "127.0.0.1", "rank_port": 1, "pp_rank": pp_rank}
+        return {"rank_ip": "127.0.0.1", "rank_port": 7000 + tp_rank, "pp_rank": 0}
 
 
-class TestRouteAndDpRankFetches(_Base):
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+    def time(self):
+        return self.now
+
+
+class TestBackgroundRouteSetup(_Base):
+    """receiver.init() on a connection_pool miss: the route lookups run on the
+    fetch pool and poll() resumes init() once they have ended."""
+
     def setUp(self):
         super().setUp()
-        info = conn_mod.PrefillServerInfo(**PREFILL_INFO)
-        self.mgr._resolve_rank_mapping(info)
-        self.mgr.prefill_info_table[ADDR] = info
+        cache_info(self.mgr, ADDR, dict(PREFILL_INFO, attn_tp_size=2))
         self.key = f"{ADDR}_0_0_0"
 
     def patch_route(self, route: BlockingRoute) -> BlockingRoute:
+        def lookup(receiver, *args):
+            return route(receiver, *args)
+
         patcher = mock.patch.object(
-            CommonKVReceiver, "_get_bootstrap_info_from_server", route
+            CommonKVReceiver, "_get_bootstrap_info_from_server", lookup
         )
         patcher.start()
         self.addCleanup(patcher.stop)
         self.addCleanup(route.release.set)
         return route
 
-    def pending(self, room: int) -> DecodeRequest:
-        receiver = CommonKVReceiver(self.mgr, ADDR, room)
-        decode_req = DecodeRequest(req=make_req(8998, room), kv_receiver=receiver)
-        self.queue.pending_reqs.append(decode_req)
-        return decode_req
+    def receiver(self, room: int) -> CommonKVReceiver:
+        return CommonKVReceiver(self.mgr, ADDR, room)
 
-    def test_add_with_cold_routes_waits_instead_of_failing(self):
-        route = self.patch_route(BlockingRoute(block=False))
+    def assert_failed_with(self, receiver, pattern: str) -> None:
+        self.assertEqual(receiver.poll(), KVPoll.Failed)
+        with self.assertRaisesRegex(KVTransferError, pattern):
+            receiver.failure_exception()
 
-        decode_req = self.add(make_req(8998, room=6))
+    def test_init_returns_before_the_lookups_and_poll_finishes_it(self):
+        route = self.patch_route(BlockingRoute(block=True))
+        receiver = self.receiver(room=1)
 
-        # dp rank known from the cache, routes not: pending, not init()ed.
-        self.assertEqual(self.queue.pending_reqs, [decode_req])
-        self.assertEqual(decode_req.kv_receiver.poll(), KVPoll.Bootstrapping)
-        self.cycle()  # starts the route fetch
-        self.cycle()  # admits with the fetched routes
-        self.assertEqual(self.queue.pending_reqs, [])
-        self.assertEqual(decode_req.kv_receiver.poll(), KVPoll.WaitingForInput)
-        self.assertEqual(route.calls, 1)
+        receiver.init(0)
 
-    def test_invalidated_routes_are_fetched_again(self):
-        self.patch_route(BlockingRoute(block=False))
-        decode_req = self.pending(room=7)
-        self.cycle()
-        self.cycle()
-        self.assertIn(self.key, self.mgr._fetched_bootstrap_infos)
-
-        decode_req.kv_receiver.invalidate_cached_bootstrap_infos()
-
-        self.assertNotIn(self.key, self.mgr.connection_pool)
-        self.assertNotIn(self.key, self.mgr._fetched_bootstrap_infos)
-
-    def test_eviction_during_route_fetch_does_not_republish(self):
-        route = self.patch_route(BlockingRoute())
-        self.pending(room=1)
-
-        self.queue._resolve_pending_reqs()
         self.assertTrue(route.entered.wait(_WAIT_S))
+        self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
+        self.assertNotIn(threading.current_thread(), route.threads)
+        route.release.set()
+        drain(self.mgr)
+
+        self.assertEqual(receiver.poll(), KVPoll.WaitingForInput)
+        self.assertEqual(
+            [i["rank_port"] for i in receiver.bootstrap_infos], [7000, 7001]
+        )
+        self.assertIn(self.key, self.mgr.connection_pool)
+
+    def test_invalidated_routes_are_set_up_again_by_the_next_request(self):
+        route = self.patch_route(BlockingRoute())
+        first = self.receiver(room=1)
+        first.init(0)
+        drain(self.mgr)
+        self.assertEqual(first.poll(), KVPoll.WaitingForInput)
+
+        first.invalidate_cached_bootstrap_infos()
+        self.assertEqual(self.mgr.connection_pool, {})
+        second = self.receiver(room=2)
+        second.init(0)
+        self.assertEqual(second.poll(), KVPoll.Bootstrapping)
+        drain(self.mgr)
+
+        self.assertEqual(second.poll(), KVPoll.WaitingForInput)
+        self.assertEqual(len(route.calls), 4)
+
+    def test_receivers_of_the_same_routes_share_one_setup(self):
+        route = self.patch_route(BlockingRoute(block=True))
+        receivers = [self.receiver(room) for room in (1, 2, 3)]
+        executor = self.mgr._parallel_info_executor
+        with mock.patch.object(
+            executor, "submit_with_timeout", wraps=executor.submit_with_timeout
+        ) as submit:
+            for receiver in receivers:
+                receiver.init(0)
+                self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
+        route.release.set()
+        drain(self.mgr)
+
+        self.assertEqual(submit.call_count, 1)
+        self.assertEqual(len(route.calls), 2)  # attention TP 2: two ranks, once
+        for receiver in receivers:
+            self.assertEqual(receiver.poll(), KVPoll.WaitingForInput)
+
+    def test_a_failed_lookup_fails_every_receiver_that_waited_for_it(self):
+        route = self.patch_route(BlockingRoute(block=True, answer=False))
+        waiting = [self.receiver(room) for room in (1, 2)]
+        for receiver in waiting:
+            receiver.init(0)
+        route.release.set()
+        drain(self.mgr)
+
+        for receiver in waiting:
+            self.assert_failed_with(
+                receiver,
+                f"Could not fetch bootstrap info from {ADDR} for: prefill_dp_rank: 0",
+            )
+        self.assertNotIn(self.key, self.mgr.connection_pool)
+        # A request that comes later gets an attempt of its own.
+        later = self.receiver(room=3)
+        route.answer = True
+        later.init(0)
+        drain(self.mgr)
+        self.assertEqual(later.poll(), KVPoll.WaitingForInput)
+
+    def test_slow_lookups_that_each_answer_in_time_are_not_cut_short(self):
+        clock = FakeClock()
+        step = 0.9 * conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S
+        route = BlockingRoute()
+
+        def slow():
+            # Each lookup takes most of the bound: together, more than one.
+            clock.now += step
+            if len(route.calls) == 2:
+                route.block = True
+
+        route.on_call = slow
+        self.patch_route(route)
+        with mock.patch.object(conn_mod, "time", clock):
+            receiver = self.receiver(room=1)
+            receiver.init(0)
+            self.assertTrue(route.entered.wait(_WAIT_S))
+
+            # In the second lookup, past one bound in total: still waiting.
+            self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
+            route.release.set()
+            drain(self.mgr)
+            self.assertEqual(receiver.poll(), KVPoll.WaitingForInput)
+        self.assertEqual(len(route.calls), 2)
+
+    def test_an_overdue_setup_fails_its_requests_and_caches_nothing(self):
+        clock = FakeClock()
+        with mock.patch.object(conn_mod, "time", clock):
+            route = self.patch_route(BlockingRoute(block=True))
+            receiver = self.receiver(room=1)
+            receiver.init(0)
+            self.assertTrue(route.entered.wait(_WAIT_S))
+            self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
+
+            clock.now += 2 * conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S + 1
+            self.assert_failed_with(
+                receiver, f"Bootstrap info lookups to {ADDR} have not ended"
+            )
+            # The late answer is dropped; the next request fetches afresh.
+            route.release.set()
+            drain(self.mgr)
+        self.assertNotIn(self.key, self.mgr.connection_pool)
+
+    def test_eviction_during_the_setup_caches_nothing(self):
+        route = self.patch_route(BlockingRoute(block=True))
+        receiver = self.receiver(room=1)
+        receiver.init(0)
+        self.assertTrue(route.entered.wait(_WAIT_S))
+
         self.mgr._handle_node_failure(ADDR)
         route.release.set()
         drain(self.mgr)
 
-        self.assertNotIn(self.key, self.mgr._fetched_bootstrap_infos)
-        self.assertFalse(self.mgr.bootstrap_infos_fetch_in_flight(ADDR, 0))
+        self.assertNotIn(self.key, self.mgr.connection_pool)
+        self.assert_failed_with(receiver, "Lost connection with prefill instance")
 
-    def test_eviction_during_parallel_info_fetch_does_not_republish(self):
-        del self.mgr.prefill_info_table[ADDR]
-        fake = FakeGet("block")
-        with mock.patch.object(conn_mod.requests, "get", fake):
-            self.assertFalse(self.mgr.try_ensure_parallel_info(ADDR))
-            self.assertTrue(fake.entered.wait(_WAIT_S))
-            self.mgr._handle_node_failure(ADDR)
-            fake.release.set()
-            drain(self.mgr)
+    def test_an_unexpected_error_fails_the_requests_not_the_decode(self):
+        def broken(receiver, *args):
+            raise KeyError("rank_ip")
 
-        self.assertFalse(self.mgr.has_parallel_info(ADDR))
-        self.assertFalse(self.mgr.parallel_info_fetch_in_flight(ADDR))
+        with mock.patch.object(
+            CommonKVReceiver, "_get_bootstrap_info_from_server", broken
+        ):
+            receiver = self.receiver(room=1)
+            with self.assertLogs(conn_mod.logger, "ERROR") as logs:
+                receiver.init(0)
+                drain(self.mgr)
+
+        self.assertIn("Traceback", "\n".join(logs.output))
+        self.assert_failed_with(receiver, "Bootstrap info setup for .* failed")
+        self.assertIsNone(self.mgr._parallel_info_fatal)
 
     def test_failure_of_port_80_keeps_port_8080_cached(self):
         self.mgr.connection_pool["host:80_0_0_0"] = []
@@ -320,67 +626,6 @@ class TestRouteAndDpRankFetches(_Base):
         self.assertIn("host:8080_0_0_0", self.mgr.connection_pool)
         self.assertIn("host:8080", self.mgr.prefill_info_table)
 
-    def test_exhausted_route_budget_aborts_with_the_existing_message(self):
-        route = self.patch_route(BlockingRoute(block=False, answer=False))
-        self.queue._max_ensure_retries = 2
-        decode_req = self.pending(room=3)
-
-        for _ in range(3):
-            self.cycle()
-            self.clock.now += 1.0
-
-        self.assertEqual(route.calls, 2)
-        self.assertEqual(self.queue.pending_reqs, [])
-        self.assertEqual(decode_req.kv_receiver.poll(), KVPoll.Failed)
-        with self.assertRaisesRegex(
-            conn_mod.KVTransferError,
-            f"Could not fetch bootstrap info for prefill_dp_rank 0 from {ADDR} "
-            "after 2 attempts",
-        ):
-            decode_req.kv_receiver.failure_exception()
-
-    def test_dp_rank_query_failures_spend_the_budget_not_found_does_not(self):
-        self.mgr.prefill_info_table[ADDR] = conn_mod.PrefillServerInfo(**DP_TP_INFO)
-        answers = [None, {}, None, None]
-        query = mock.MagicMock(side_effect=lambda addr, rooms: answers.pop(0))
-        self.queue._max_ensure_retries = 2
-        decode_req = self.pending(room=4)
-
-        with mock.patch.object(CommonKVReceiver, "_query_prefill_dp_ranks", query):
-            for _ in range(6):
-                self.cycle()
-                self.clock.now += 1.0
-
-        # An answer without the room (not registered on the prefill yet) is not
-        # a failure and resets the budget; two failures in a row abort.
-        self.assertEqual(query.call_count, 4)
-        self.assertEqual(decode_req.kv_receiver.poll(), KVPoll.Failed)
-        with self.assertRaisesRegex(
-            conn_mod.KVTransferError,
-            f"Could not fetch prefill dp ranks from {ADDR} after 2 attempts",
-        ):
-            decode_req.kv_receiver.failure_exception()
-
-
-class TestQueryPrefillDpRanks(CustomTestCase):
-    def query(self, response):
-        session = mock.MagicMock()
-        session.post.return_value = response
-        with mock.patch.object(
-            conn_mod, "_get_bootstrap_session", return_value=session
-        ):
-            return (
-                CommonKVReceiver._query_prefill_dp_ranks(ADDR, [1]),
-                CommonKVReceiver.query_prefill_dp_ranks(ADDR, [1]),
-            )
-
-    def test_a_failed_query_is_told_apart_from_an_empty_answer(self):
-        self.assertEqual(self.query(FakeResponse(503)), (None, {}))
-        self.assertEqual(self.query(FakeResponse(200, ["1"])), (None, {}))
-        self.assertEqual(self.query(FakeResponse(200, {"1": "x"})), (None, {}))
-        self.assertEqual(self.query(FakeResponse(200, {})), ({}, {}))
-        self.assertEqual(self.query(FakeResponse(200, {"1": 1})), ({"1": 1}, {"1": 1}))
-
 
 class TestMalformedRoute(CustomTestCase):
     def lookup(self, response):
@@ -388,202 +633,23 @@ class TestMalformedRoute(CustomTestCase):
         session.get.return_value = response
         receiver = CommonKVReceiver.__new__(CommonKVReceiver)
         receiver.bootstrap_addr = ADDR
-        with mock.patch.object(
-            conn_mod, "_get_bootstrap_session", return_value=session
-        ):
+        with mock.patch.object(conn_mod.requests, "Session", return_value=session):
             return receiver._get_bootstrap_info_from_server(0, 0, 0, 0)
 
     def test_a_malformed_route_is_a_failed_lookup_not_a_cached_route(self):
         # init() reads rank_ip / rank_port on the scheduler thread: a route
         # without them must never be cached.
+        response = mock.MagicMock(status_code=200, text="")
         for body in ({}, ["x"], {"rank_ip": "h", "rank_port": "x"}, {"rank_ip": "h"}):
             with self.subTest(body=body):
-                self.assertIsNone(self.lookup(FakeResponse(200, body)))
+                response.json.return_value = body
+                conn_mod._idle_bootstrap_sessions.clear()
+                self.assertIsNone(self.lookup(response))
+        response.json.return_value = {"rank_ip": "h", "rank_port": 7}
+        conn_mod._idle_bootstrap_sessions.clear()
         self.assertEqual(
-            self.lookup(FakeResponse(200, {"rank_ip": "h", "rank_port": 7})),
-            {"rank_ip": "h", "rank_port": 7, "pp_rank": 0},
+            self.lookup(response), {"rank_ip": "h", "rank_port": 7, "pp_rank": 0}
         )
-
-
-class TestHungPrefills(_Base):
-    def test_hung_prefills_do_not_delay_a_healthy_first_contact(self):
-        hung = [f"127.0.1.{i}:8998" for i in range(8)]
-        healthy = "127.0.0.1:8998"
-        release = threading.Event()
-        self.addCleanup(release.set)
-        published = threading.Event()
-
-        def get(url, timeout=None):
-            if healthy not in url:
-                release.wait(_WAIT_S)
-                return FakeResponse(503)
-            return FakeResponse(200, PREFILL_INFO)
-
-        class Table(dict):
-            def __setitem__(self, key, value):
-                super().__setitem__(key, value)
-                published.set()
-
-        self.mgr.prefill_info_table = Table()
-        self.mgr._parallel_info_executor = ThreadPoolExecutor(
-            max_workers=conn_mod.BOOTSTRAP_FETCH_WORKERS
-        )
-        self.addCleanup(self.mgr._parallel_info_executor.shutdown, wait=False)
-        addr_to_reqs = {addr: [SimpleNamespace(kv_receiver=None)] for addr in hung}
-        addr_to_reqs[healthy] = [SimpleNamespace(kv_receiver=None)]
-
-        with mock.patch.object(conn_mod.requests, "get", get):
-            self.queue._ensure_prefill_info(addr_to_reqs)
-            self.assertTrue(published.wait(_WAIT_S))
-            ready, remaining = self.queue._ensure_prefill_info(addr_to_reqs)
-
-            self.assertEqual(list(ready), [healthy])
-            self.assertEqual(len(remaining), len(hung))
-            release.set()
-
-    def test_teardown_does_not_wait_for_a_hung_fetch(self):
-        fake = FakeGet("block")
-        with mock.patch.object(conn_mod.requests, "get", fake):
-            self.mgr.try_ensure_parallel_info("127.0.0.1:1")
-            self.mgr.try_ensure_parallel_info("127.0.0.1:2")  # queued behind it
-            self.assertTrue(fake.entered.wait(_WAIT_S))
-
-            self.mgr._stop_bootstrap_fetches()
-
-            self.assertFalse(fake.returned.is_set())
-            fake.release.set()
-            self.mgr._parallel_info_executor.shutdown(wait=True)
-        # The queued fetch was cancelled, not run after the hung one.
-        self.assertEqual(len(fake.calls), 1)
-
-
-class TestFetchTimeBound(_Base):
-    """BOOTSTRAP_FETCH_TIMEOUT_S bounds how long a query holds its requests;
-    requests' own timeout bounds only connect and each read."""
-
-    def setUp(self):
-        super().setUp()
-        # Deadlines read the same fake clock as the retry loop.
-        patcher = mock.patch.object(conn_mod, "time", self.clock)
-        patcher.start()
-        self.addCleanup(patcher.stop)
-
-    def test_an_overdue_fetch_spends_the_budget_without_a_second_fetch(self):
-        fake = self.patch_get(FakeGet("block"))
-        self.queue._max_ensure_retries = 2
-        req = SimpleNamespace(kv_receiver=mock.MagicMock())
-        addr_to_reqs = {ADDR: [req]}
-
-        self.queue._ensure_prefill_info(addr_to_reqs)
-        self.assertTrue(fake.entered.wait(_WAIT_S))
-        # Within the bound, waiting spends no attempt.
-        for _ in range(conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S - 1):
-            self.clock.now += 1.0
-            self.queue._ensure_prefill_info(addr_to_reqs)
-        self.assertEqual(self.queue._ensure_retry_count[ADDR], 1)
-        req.kv_receiver.abort.assert_not_called()
-
-        # Past it, each retry interval is a failed attempt: the budget ends.
-        for _ in range(3):
-            self.clock.now += 1.0
-            self.queue._ensure_prefill_info(addr_to_reqs)
-
-        req.kv_receiver.abort.assert_called_once()
-        self.assertIn(
-            f"Could not fetch prefill parallel info from {ADDR} after 2 attempts",
-            req.kv_receiver.abort.call_args.kwargs["failure_reason"],
-        )
-        self.assertEqual(len(fake.calls), 1)
-        self.assertFalse(self.mgr.has_parallel_info(ADDR))
-
-        # The late answer is still good: it is cached for the next requests.
-        fake.release.set()
-        drain(self.mgr)
-        self.assertTrue(self.mgr.has_parallel_info(ADDR))
-        self.assertEqual(self.mgr._fetch_deadlines, {})
-
-    def test_route_lookups_stop_at_the_bound(self):
-        info = conn_mod.PrefillServerInfo(**DP_TP_INFO)
-        self.mgr._resolve_rank_mapping(info)
-        self.mgr.prefill_info_table[ADDR] = info
-        calls = []
-
-        def slow_route(dp_rank, cp_rank, tp_rank, pp_rank):
-            calls.append(tp_rank)
-            # The first lookup returns past the bound: no second one starts.
-            self.clock.now += conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S + 1
-            return {"rank_ip": "127.0.0.1", "rank_port": 1, "pp_rank": pp_rank}
-
-        receiver = CommonKVReceiver(self.mgr, ADDR, 1)
-        with mock.patch.object(
-            CommonKVReceiver,
-            "_get_bootstrap_info_from_server",
-            mock.Mock(side_effect=slow_route),
-        ):
-            self.assertFalse(self.mgr.try_ensure_bootstrap_infos(receiver, 0))
-            drain(self.mgr)
-
-        self.assertEqual(calls, [0])
-        self.assertFalse(self.mgr.has_bootstrap_infos(ADDR, 0))
-        self.assertFalse(self.mgr.bootstrap_infos_fetch_in_flight(ADDR, 0))
-
-
-class TestBootstrapFetchExecutor(CustomTestCase):
-    WORKERS = 4
-
-    def setUp(self):
-        super().setUp()
-        self.executor = conn_mod._BootstrapFetchExecutor(self.WORKERS, "test-fetch")
-        self.addCleanup(self.executor.shutdown, wait=False, cancel_futures=True)
-        self.release = threading.Event()
-        self.addCleanup(self.release.set)
-
-    def test_submit_starts_no_thread_on_the_calling_thread(self):
-        started = []
-        original = threading.Thread.start
-
-        def start(thread):
-            started.append(thread)
-            return original(thread)
-
-        with mock.patch.object(threading.Thread, "start", start):
-            # Every worker busy at once: none may be started lazily here.
-            futures = [
-                self.executor.submit(self.release.wait, _WAIT_S)
-                for _ in range(self.WORKERS)
-            ]
-        self.release.set()
-        for future in futures:
-            self.assertTrue(future.result(timeout=_WAIT_S))
-        self.assertEqual(started, [])
-        self.assertIsInstance(self.executor, ThreadPoolExecutor)
-
-    def test_a_hung_fetch_does_not_hold_up_interpreter_exit(self):
-        entered = threading.Event()
-
-        def hung():
-            entered.set()
-            self.release.wait(_WAIT_S)
-
-        running = self.executor.submit(hung)
-        self.assertTrue(entered.wait(_WAIT_S))
-        queued = [self.executor.submit(hung) for _ in range(self.WORKERS)]
-
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
-        # Exit joins non-daemon threads only; queued fetches never run.
-        self.assertTrue(all(t.daemon for t in self.executor._threads))
-        self.assertFalse(running.done())
-        self.assertTrue(all(f.cancelled() for f in queued[self.WORKERS - 1 :]))
-        with self.assertRaises(RuntimeError):
-            self.executor.submit(hung)
-        self.release.set()
-        self.assertIsNone(running.result(timeout=_WAIT_S))
-
-    def test_results_and_errors_reach_the_future(self):
-        self.assertEqual(self.executor.submit(lambda x: x + 1, 1).result(_WAIT_S), 2)
-        with self.assertRaises(ZeroDivisionError):
-            self.executor.submit(lambda: 1 / 0).result(_WAIT_S)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,32 @@
 """The decode scheduler thread never waits on the prefill parallel-info fetch.
 
+Built the way sglang's own tests of this path build their fakes, so that a new
+helper call or attribute read on it fails here first:
+
+- the fetch methods are bound one by one onto ``MagicMock(spec=CommonKVManager)``
+  carrying only the state they are meant to read, with a plain single-worker
+  ``ThreadPoolExecutor`` that doubles as a barrier (submit a no-op, wait);
+- ``_ensure_prefill_info`` and ``_clear_ensure_state`` are bound alone onto
+  ``MagicMock(spec=DecodePreallocQueue)`` with a mock kv manager, and time
+  passing is ``_ensure_last_attempt_time`` moved back by one interval.
+
 CPU-only and sleep-free: a fake ``requests.get`` signals entry on one
-``threading.Event`` and blocks on another, a single-worker executor turns
-"submit a no-op and wait for it" into a barrier, and a fake monotonic clock
-drives the retry interval.
+``threading.Event`` and blocks on another.
 """
 
 import threading
 import unittest
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
+from types import MethodType
 from unittest import mock
 
-from sglang.srt.disaggregation import decode as decode_mod
-from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common import conn as conn_mod
-from sglang.srt.disaggregation.common.conn import (
-    CommonKVManager,
-    CommonKVReceiver,
-    KVTransferError,
-)
+from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=20, suite="base-a-test-cpu")
+register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
 ADDR = "127.0.0.1:8998"
 PAGE_SIZE = 16
@@ -42,6 +43,15 @@ PREFILL_INFO = {
     "kv_cache_dtype": "auto",
     "follow_bootstrap_room": True,
 }
+
+FETCH_METHODS = (
+    "try_ensure_parallel_info",
+    "raise_parallel_info_error",
+    "has_parallel_info",
+    "_publish_parallel_info",
+    "_fetch_parallel_info",
+    "_check_parallel_info",
+)
 
 
 class FakeResponse:
@@ -83,96 +93,60 @@ class FakeGet:
             self.returned.set()
 
 
-def make_manager() -> CommonKVManager:
-    """A decode-mode CommonKVManager with just the state the parallel-info
-    path reads, and a single-worker fetch executor usable as a barrier."""
-    mgr = CommonKVManager.__new__(CommonKVManager)
-    mgr.kv_args = SimpleNamespace(page_size=PAGE_SIZE, state_types=[], engine_rank=0)
-    mgr.kv_cache_dtype_str = "auto"
-    mgr.kv_layout = None
-    mgr.dsv41_spec_layout = None
-    mgr.is_mla_backend = False
-    mgr.is_hybrid_mla_backend = False
-    mgr.attn_tp_size = 1
-    mgr.attn_cp_size = 1
-    mgr.attn_cp_rank = 0
-    mgr.dcp_size = 1
-    mgr.pp_size = 1
-    mgr.pp_rank = 0
-    mgr.enable_all_cp_ranks_for_transfer = False
-    mgr.connection_lock = threading.Lock()
+def patch_get(test: CustomTestCase, fake: FakeGet) -> FakeGet:
+    """Stand ``fake`` in for ``requests.get`` for the rest of ``test``."""
+    patcher = mock.patch.object(conn_mod.requests, "get", fake)
+    patcher.start()
+    test.addCleanup(patcher.stop)
+    # Never leave a fetch thread blocked behind a failed test.
+    test.addCleanup(fake.release.set)
+    return fake
+
+
+def make_spec_manager(connection_lock=None) -> mock.MagicMock:
+    """MagicMock(spec=CommonKVManager) with the fetch methods bound and only
+    the attributes they may read; everything else stays a mock."""
+    mgr = mock.MagicMock(spec=CommonKVManager)
+    for name in FETCH_METHODS:
+        setattr(mgr, name, MethodType(getattr(CommonKVManager, name), mgr))
     mgr.prefill_info_table = {}
-    mgr._parallel_info_executor = ThreadPoolExecutor(max_workers=1)
+    mgr.connection_lock = connection_lock or threading.Lock()
     mgr._parallel_info_inflight = set()
     mgr._parallel_info_fatal = None
-    # Receiver bookkeeping, for the abort-reason test.
-    mgr.failure_records = {}
-    mgr.failure_lock = threading.Lock()
-    mgr.request_status = {}
-    mgr.required_prefill_response_num_table = {}
-    mgr.prefill_response_tracker = {}
-    mgr.addr_to_rooms_tracker = defaultdict(set)
-    # Route / dp-rank fetches and heartbeat eviction.
-    mgr.connection_pool = {}
-    mgr._fetched_bootstrap_infos = {}
-    mgr._bootstrap_infos_inflight = set()
-    mgr._prefill_dp_rank_answers = {}
-    mgr._prefill_dp_rank_inflight = set()
-    mgr.heartbeat_failures = {}
-    mgr._deferred_ack_targets = {}
-    mgr._deferred_ack_poisoned_rooms = set()
-    mgr._staging_outstanding = defaultdict(int)
-    mgr.enable_staging = False
+    mgr._parallel_info_executor = ThreadPoolExecutor(max_workers=1)
+    set_decode_config(mgr, kv_args=mock.MagicMock(page_size=PAGE_SIZE))
     return mgr
 
 
-def drain(mgr: CommonKVManager) -> None:
+def set_decode_config(mgr, kv_args) -> None:
+    """The decode's own configuration, which the parallel-info checks and the
+    rank mapping compare with the prefill's, as plain values."""
+    mgr.kv_args = kv_args
+    mgr.kv_cache_dtype_str = "auto"
+    mgr.dcp_size = 1
+    mgr.is_mla_backend = False
+    mgr.is_hybrid_mla_backend = False
+    mgr.kv_layout = None
+    mgr.dsv41_spec_layout = None
+    mgr.attn_tp_size = 1
+    mgr.attn_cp_size = 1
+    mgr.pp_size = 1
+
+
+def drain(mgr) -> None:
     """Barrier: every fetch submitted so far has finished."""
     mgr._parallel_info_executor.submit(lambda: None).result(timeout=_WAIT_S)
 
 
-def make_queue(kv_manager, max_retries: int = 15) -> DecodePreallocQueue:
-    queue = DecodePreallocQueue.__new__(DecodePreallocQueue)
-    queue.kv_manager = kv_manager
-    queue._ensure_retry_count = {}
-    queue._max_ensure_retries = max_retries
-    queue._ensure_last_attempt_time = {}
-    queue._ensure_retry_interval = 1.0
-    return queue
-
-
-def make_req():
-    return SimpleNamespace(kv_receiver=mock.MagicMock())
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def monotonic(self):
-        return self.now
-
-
-class _Base(CustomTestCase):
+class TestTryEnsureParallelInfo(CustomTestCase):
     def setUp(self):
         super().setUp()
-        self.mgr = make_manager()
+        self.mgr = make_spec_manager()
         self.addCleanup(self.mgr._parallel_info_executor.shutdown, wait=False)
-        self.clock = FakeClock()
-        patcher = mock.patch.object(decode_mod, "time", self.clock)
-        patcher.start()
-        self.addCleanup(patcher.stop)
 
     def patch_get(self, fake: FakeGet) -> FakeGet:
-        patcher = mock.patch.object(conn_mod.requests, "get", fake)
-        patcher.start()
-        self.addCleanup(patcher.stop)
-        # Never leave a fetch thread blocked behind a failed test.
-        self.addCleanup(fake.release.set)
-        return fake
+        return patch_get(self, fake)
 
-
-class TestTryEnsureParallelInfo(_Base):
     def test_cache_hit_touches_no_network(self):
         fake = self.patch_get(FakeGet())
         self.mgr.prefill_info_table[ADDR] = object()
@@ -192,18 +166,18 @@ class TestTryEnsureParallelInfo(_Base):
         self.assertTrue(fake.entered.wait(_WAIT_S))
         self.assertFalse(fake.returned.is_set())
         self.assertIsNot(fake.threads[0], threading.current_thread())
-        self.assertTrue(self.mgr.parallel_info_fetch_in_flight(ADDR))
+        self.assertIn(ADDR, self.mgr._parallel_info_inflight)
         self.assertFalse(self.mgr.has_parallel_info(ADDR))
 
         fake.release.set()
         drain(self.mgr)
 
         self.assertTrue(self.mgr.has_parallel_info(ADDR))
-        self.assertFalse(self.mgr.parallel_info_fetch_in_flight(ADDR))
+        self.assertEqual(self.mgr._parallel_info_inflight, set())
         info = self.mgr.prefill_info_table[ADDR]
-        # Rank mapping is computed once, on the fetch thread.
-        self.assertEqual(info.target_tp_ranks, [0])
-        self.assertEqual(info.required_prefill_response_num, 1)
+        self.assertEqual(info.page_size, PAGE_SIZE)
+        # Rank mapping is computed once, on the fetch thread, before publishing.
+        self.mgr._resolve_rank_mapping.assert_called_once_with(info)
         self.assertTrue(self.mgr.try_ensure_parallel_info(ADDR))
         self.assertEqual(len(fake.calls), 1)
 
@@ -219,30 +193,32 @@ class TestTryEnsureParallelInfo(_Base):
         self.assertEqual(len(fake.calls), 1)
         self.assertTrue(self.mgr.try_ensure_parallel_info(ADDR))
         self.assertEqual(len(fake.calls), 1)
+        self.mgr._resolve_rank_mapping.assert_called_once()
 
     def test_result_published_at_the_lock_is_not_fetched_again(self):
         fake = self.patch_get(FakeGet())
-        mgr = self.mgr
-        real_lock = mgr.connection_lock
+        real_lock = threading.Lock()
+        table = {}
 
         class PublishOnEnter:
             """A fetch publishes between the unlocked check and the lock."""
 
             def __enter__(self):
-                mgr.prefill_info_table[ADDR] = object()
+                table[ADDR] = object()
                 return real_lock.__enter__()
 
             def __exit__(self, *exc):
                 return real_lock.__exit__(*exc)
 
-        mgr.connection_lock = PublishOnEnter()
+        mgr = make_spec_manager(connection_lock=PublishOnEnter())
+        self.addCleanup(mgr._parallel_info_executor.shutdown, wait=False)
+        mgr.prefill_info_table = table
 
         self.assertTrue(mgr.try_ensure_parallel_info(ADDR))
 
-        mgr.connection_lock = real_lock
         drain(mgr)
         self.assertEqual(fake.calls, [])
-        self.assertFalse(mgr.parallel_info_fetch_in_flight(ADDR))
+        self.assertEqual(mgr._parallel_info_inflight, set())
 
     def test_failed_fetch_publishes_nothing_and_is_retried(self):
         fake = self.patch_get(
@@ -253,14 +229,16 @@ class TestTryEnsureParallelInfo(_Base):
         drain(self.mgr)
 
         self.assertFalse(self.mgr.has_parallel_info(ADDR))
-        self.assertFalse(self.mgr.parallel_info_fetch_in_flight(ADDR))
+        self.assertEqual(self.mgr._parallel_info_inflight, set())
         self.assertEqual(len(fake.calls), 1)
+        self.mgr._resolve_rank_mapping.assert_not_called()
 
         self.assertFalse(self.mgr.try_ensure_parallel_info(ADDR))
         drain(self.mgr)
 
         self.assertEqual(len(fake.calls), 2)
         self.assertTrue(self.mgr.try_ensure_parallel_info(ADDR))
+        self.mgr._resolve_rank_mapping.assert_called_once()
 
     def test_page_size_mismatch_is_raised_on_the_caller_thread(self):
         mismatched = dict(PREFILL_INFO, page_size=PAGE_SIZE * 2)
@@ -270,117 +248,128 @@ class TestTryEnsureParallelInfo(_Base):
         drain(self.mgr)
 
         self.assertFalse(self.mgr.has_parallel_info(ADDR))
-        self.assertFalse(self.mgr.parallel_info_fetch_in_flight(ADDR))
+        self.assertEqual(self.mgr._parallel_info_inflight, set())
+        self.mgr._resolve_rank_mapping.assert_not_called()
         with self.assertRaisesRegex(RuntimeError, "Page size mismatch"):
             self.mgr.try_ensure_parallel_info(ADDR)
         with self.assertRaisesRegex(RuntimeError, "Page size mismatch"):
             self.mgr.raise_parallel_info_error()
 
+    def test_a_malformed_answer_is_a_failed_fetch_not_a_fatal_error(self):
+        self.patch_get(FakeGet(FakeResponse(200, {"dp_size": 1})))
 
-class TestEnsurePrefillInfo(_Base):
+        self.assertFalse(self.mgr.try_ensure_parallel_info(ADDR))
+        drain(self.mgr)
+
+        self.assertFalse(self.mgr.has_parallel_info(ADDR))
+        self.assertIsNone(self.mgr._parallel_info_fatal)
+        self.assertEqual(self.mgr._parallel_info_inflight, set())
+
+
+def make_spec_queue(kv_manager, max_retries: int = 15) -> mock.MagicMock:
+    """MagicMock(spec=DecodePreallocQueue) with only the retry bookkeeping
+    bound and its real state."""
+    queue = mock.MagicMock(spec=DecodePreallocQueue)
+    for name in ("_ensure_prefill_info", "_clear_ensure_state"):
+        setattr(queue, name, MethodType(getattr(DecodePreallocQueue, name), queue))
+    queue.kv_manager = kv_manager
+    queue._ensure_retry_count = {}
+    queue._ensure_last_attempt_time = {}
+    queue._ensure_retry_interval = 1.0
+    queue._max_ensure_retries = max_retries
+    return queue
+
+
+def make_kv_manager(has=False, in_flight=False, fetched=False) -> mock.MagicMock:
+    kv_manager = mock.MagicMock()
+    kv_manager.has_parallel_info.return_value = has
+    kv_manager.parallel_info_fetch_in_flight.return_value = in_flight
+    kv_manager.try_ensure_parallel_info.return_value = fetched
+    return kv_manager
+
+
+def make_req():
+    return mock.MagicMock()
+
+
+class TestEnsurePrefillInfo(CustomTestCase):
+    def pass_interval(self, queue):
+        """Time passing: the last attempt moved back by one interval."""
+        queue._ensure_last_attempt_time[ADDR] -= queue._ensure_retry_interval
+
     def test_landed_result_is_admitted_inside_the_retry_interval(self):
-        fake = self.patch_get(FakeGet("block"))
-        queue = make_queue(self.mgr)
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager)
         reqs = [make_req()]
 
         ready, remaining = queue._ensure_prefill_info({ADDR: reqs})
         self.assertEqual((ready, remaining), ({}, reqs))
+        kv_manager.try_ensure_parallel_info.assert_called_once_with(ADDR)
 
-        fake.release.set()
-        drain(self.mgr)
-        self.clock.now += 0.1  # well inside the 1 s retry interval
-
+        # The fetch lands well inside the 1 s retry interval.
+        kv_manager.has_parallel_info.return_value = True
         ready, remaining = queue._ensure_prefill_info({ADDR: reqs})
+
         self.assertEqual((ready, remaining), ({ADDR: reqs}, []))
         self.assertEqual(queue._ensure_retry_count, {})
         self.assertEqual(queue._ensure_last_attempt_time, {})
+        kv_manager.try_ensure_parallel_info.assert_called_once()
 
     def test_retry_interval_still_paces_fetch_attempts(self):
-        fake = self.patch_get(FakeGet(FakeResponse(503), FakeResponse(503)))
-        queue = make_queue(self.mgr)
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager)
         reqs = [make_req()]
 
         queue._ensure_prefill_info({ADDR: reqs})
-        drain(self.mgr)
-        self.clock.now += 0.5
         _, remaining = queue._ensure_prefill_info({ADDR: reqs})
-        drain(self.mgr)
-
         self.assertEqual(remaining, reqs)
-        self.assertEqual(len(fake.calls), 1)
+        self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 1)
 
-        self.clock.now += 0.5
+        self.pass_interval(queue)
         queue._ensure_prefill_info({ADDR: reqs})
-        drain(self.mgr)
-        self.assertEqual(len(fake.calls), 2)
+        self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 2)
         self.assertEqual(queue._ensure_retry_count[ADDR], 2)
 
     def test_cycles_waiting_on_a_fetch_do_not_spend_the_budget(self):
-        fake = self.patch_get(FakeGet("block"))
-        queue = make_queue(self.mgr, max_retries=2)
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=2)
         reqs = [make_req()]
 
+        queue._ensure_prefill_info({ADDR: reqs})
+        kv_manager.parallel_info_fetch_in_flight.return_value = True
         for _ in range(10):
+            self.pass_interval(queue)
             ready, remaining = queue._ensure_prefill_info({ADDR: reqs})
             self.assertEqual((ready, remaining), ({}, reqs))
-            self.clock.now += 5.0
 
         self.assertEqual(queue._ensure_retry_count[ADDR], 1)
+        self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 1)
         reqs[0].kv_receiver.abort.assert_not_called()
-        fake.release.set()
-        drain(self.mgr)
-        self.assertEqual(len(fake.calls), 1)
-        ready, _ = queue._ensure_prefill_info({ADDR: reqs})
-        self.assertEqual(ready, {ADDR: reqs})
 
     def test_success_on_the_last_attempt_admits_its_requests(self):
-        fake = self.patch_get(FakeGet(FakeResponse(503), "block"))
-        queue = make_queue(self.mgr, max_retries=2)
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=2)
         reqs = [make_req()]
 
         queue._ensure_prefill_info({ADDR: reqs})  # attempt 1 fails
-        drain(self.mgr)
-        self.clock.now += 1.0
-        ready, remaining = queue._ensure_prefill_info({ADDR: reqs})  # attempt 2
-        self.assertEqual((ready, remaining), ({}, reqs))
+        self.pass_interval(queue)
+        queue._ensure_prefill_info({ADDR: reqs})  # attempt 2 is in flight
+        self.assertEqual(queue._ensure_retry_count[ADDR], 2)
         reqs[0].kv_receiver.abort.assert_not_called()
 
-        fake.release.set()
-        drain(self.mgr)
-        self.clock.now += 1.0
+        kv_manager.has_parallel_info.return_value = True  # ... and succeeds
+        self.pass_interval(queue)
         ready, remaining = queue._ensure_prefill_info({ADDR: reqs})
 
         self.assertEqual((ready, remaining), ({ADDR: reqs}, []))
         reqs[0].kv_receiver.abort.assert_not_called()
-        self.assertEqual(len(fake.calls), 2)
+        self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 2)
 
-    def test_publish_before_the_abort_admits_with_real_manager(self):
-        self.patch_get(FakeGet())
-        queue = make_queue(self.mgr, max_retries=1)
-        queue._ensure_retry_count[ADDR] = 1
-        reqs = [make_req()]
-        published = object()
-        real_in_flight = self.mgr.parallel_info_fetch_in_flight
-
-        def publish_then_answer(addr):
-            # The last fetch publishes right after the top-of-cycle cache check.
-            self.mgr.prefill_info_table[addr] = published
-            return real_in_flight(addr)
-
-        with mock.patch.object(
-            self.mgr, "parallel_info_fetch_in_flight", publish_then_answer
-        ):
-            ready, remaining = queue._ensure_prefill_info({ADDR: reqs})
-
-        self.assertEqual((ready, remaining), ({ADDR: reqs}, []))
-        reqs[0].kv_receiver.abort.assert_not_called()
-        self.assertNotIn(ADDR, queue._ensure_retry_count)
-
-    def test_publish_before_the_abort_admits_with_mock_manager(self):
-        kv_manager = mock.MagicMock()
+    def test_publish_before_the_abort_admits_its_requests(self):
+        kv_manager = make_kv_manager()
+        # The last fetch publishes right after the top-of-cycle cache check.
         kv_manager.has_parallel_info.side_effect = [False, True]
-        kv_manager.parallel_info_fetch_in_flight.return_value = False
-        queue = make_queue(kv_manager, max_retries=1)
+        queue = make_spec_queue(kv_manager, max_retries=1)
         queue._ensure_retry_count[ADDR] = 1
         reqs = [make_req()]
 
@@ -389,116 +378,69 @@ class TestEnsurePrefillInfo(_Base):
         self.assertEqual((ready, remaining), ({ADDR: reqs}, []))
         reqs[0].kv_receiver.abort.assert_not_called()
         kv_manager.try_ensure_parallel_info.assert_not_called()
+        self.assertNotIn(ADDR, queue._ensure_retry_count)
 
     def test_mismatch_on_the_last_attempt_raises_instead_of_aborting(self):
-        mismatched = dict(PREFILL_INFO, page_size=PAGE_SIZE * 2)
-        self.patch_get(FakeGet(FakeResponse(200, mismatched)))
-        queue = make_queue(self.mgr, max_retries=1)
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=1)
         reqs = [make_req()]
 
         queue._ensure_prefill_info({ADDR: reqs})  # the only allowed attempt
-        drain(self.mgr)
-        self.clock.now += 1.0
+        kv_manager.raise_parallel_info_error.side_effect = RuntimeError(
+            "Page size mismatch: prefill server has page_size=32"
+        )
+        self.pass_interval(queue)
 
         with self.assertRaisesRegex(RuntimeError, "Page size mismatch"):
             queue._ensure_prefill_info({ADDR: reqs})
         reqs[0].kv_receiver.abort.assert_not_called()
 
     def test_exhausted_budget_aborts_with_the_cause(self):
-        fake = self.patch_get(FakeGet(FakeResponse(503), FakeResponse(503)))
-        queue = make_queue(self.mgr, max_retries=2)
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=2)
         reqs = [make_req(), make_req()]
 
-        for _ in range(3):
+        queue._ensure_prefill_info({ADDR: reqs})
+        for _ in range(2):
+            self.pass_interval(queue)
             queue._ensure_prefill_info({ADDR: reqs})
-            drain(self.mgr)
-            self.clock.now += 1.0
 
-        self.assertEqual(len(fake.calls), 2)
+        self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 2)
+        expected = f"Could not fetch prefill parallel info from {ADDR} after 2 attempts"
         for req in reqs:
             req.kv_receiver.abort.assert_called_once()
-            reason = req.kv_receiver.abort.call_args.kwargs["failure_reason"]
-            self.assertIn(
-                f"Could not fetch prefill parallel info from {ADDR} after 2 attempts",
-                reason,
+            kv_manager.record_failure.assert_any_call(
+                req.kv_receiver.bootstrap_room, mock.ANY
             )
+        for call in kv_manager.record_failure.call_args_list:
+            self.assertIn(expected, call.args[1])
         self.assertEqual(queue._ensure_retry_count, {})
         self.assertEqual(queue._ensure_last_attempt_time, {})
 
     def test_abort_follows_the_last_failed_attempt_not_one_interval_later(self):
-        fake = self.patch_get(FakeGet(*[FakeResponse(503)] * 2))
-        queue = make_queue(self.mgr, max_retries=2)
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=2)
         early, late = [make_req()], [make_req()]
 
         queue._ensure_prefill_info({ADDR: early})  # attempt 1 fails
-        drain(self.mgr)
-        self.clock.now += 1.0
+        self.pass_interval(queue)
         queue._ensure_prefill_info({ADDR: early})  # attempt 2 fails
-        drain(self.mgr)
-        self.clock.now += 0.1
 
-        # The next cycle aborts, as 0.5.23 did right after the last attempt;
-        # a request added after it starts on a fresh budget at once.
+        # The next cycle aborts at once, as 0.5.23 did after the last attempt;
+        # a request added after that starts on a fresh budget.
         queue._ensure_prefill_info({ADDR: early})
         early[0].kv_receiver.abort.assert_called_once()
         queue._ensure_prefill_info({ADDR: late})
-        drain(self.mgr)
-        self.assertEqual(len(fake.calls), 3)
+        self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 3)
         self.assertEqual(queue._ensure_retry_count[ADDR], 1)
         late[0].kv_receiver.abort.assert_not_called()
 
-
-class TestAbortCarriesTheCause(_Base):
-    def make_receiver(self, room: int) -> CommonKVReceiver:
-        receiver = CommonKVReceiver.__new__(CommonKVReceiver)
-        receiver.kv_mgr = self.mgr
-        receiver.bootstrap_room = room
-        receiver.bootstrap_addr = ADDR
-        receiver.conclude_state = None
-        receiver.abort_notified = False
-        self.mgr.request_status[room] = KVPoll.Bootstrapping
-        self.mgr.addr_to_rooms_tracker[ADDR].add(room)
-        return receiver
-
-    def test_failure_exception_names_the_prefill_and_the_cause(self):
-        self.patch_get(FakeGet(FakeResponse(503)))
-        queue = make_queue(self.mgr, max_retries=1)
-        receiver = self.make_receiver(room=42)
-        reqs = [SimpleNamespace(kv_receiver=receiver)]
-
-        queue._ensure_prefill_info({ADDR: reqs})
-        drain(self.mgr)
-        self.clock.now += 1.0
-        queue._ensure_prefill_info({ADDR: reqs})
-
-        self.assertEqual(receiver.poll(), KVPoll.Failed)
-        with self.assertRaises(KVTransferError) as ctx:
-            receiver.failure_exception()
-        message = str(ctx.exception)
-        self.assertIn(ADDR, message)
-        self.assertIn("Could not fetch prefill parallel info", message)
-        self.assertNotIn("Aborted by AbortReq.", message)
-
-    def test_plain_abort_keeps_the_generic_reason(self):
-        receiver = self.make_receiver(room=43)
-        receiver.abort()
-        with self.assertRaisesRegex(KVTransferError, "Aborted by AbortReq."):
-            receiver.failure_exception()
-
-
-class TestQueueCleanupWithMockManager(CustomTestCase):
-    """sglang's tests drive the queue with a bare MagicMock kv_manager; a
-    request whose kv_receiver a prior queue cleanup already cleared must not
-    crash the abort path."""
-
-    def test_cleared_receiver_does_not_crash_abort(self):
-        kv_manager = mock.MagicMock()
-        kv_manager.has_parallel_info.return_value = False
-        kv_manager.parallel_info_fetch_in_flight.return_value = False
-        queue = make_queue(kv_manager, max_retries=1)
+    def test_cleared_receiver_does_not_crash_the_abort(self):
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=1)
         queue._ensure_retry_count[ADDR] = 1
         queue._ensure_last_attempt_time[ADDR] = 0.0
-        cleared = SimpleNamespace(kv_receiver=None)
+        cleared = mock.MagicMock(kv_receiver=None)
         live = make_req()
 
         ready, remaining = queue._ensure_prefill_info({ADDR: [cleared, live]})

@@ -2,18 +2,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
-import functools
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import (
-    Any,
     Callable,
     Dict,
+    Iterator,
     List,
     Literal,
     NamedTuple,
@@ -79,34 +79,116 @@ logger = logging.getLogger(__name__)
 ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
 
-# Decode-side bootstrap queries run on a fetch executor, at most one per key.
-# A hung prefill keeps only its own queries waiting, so size the pool well
-# above the number of prefills that can hang at once.
-BOOTSTRAP_FETCH_WORKERS = 64
-# requests' timeout=5 bounds connect and each read, not a query's total time.
-# Past this bound a query still running no longer holds its requests: each
-# retry interval counts as a failed attempt, so a peer that answers byte by
-# byte cannot keep a request pending beyond its retry budget.
+# Decode-side bootstrap queries (parallel info, dp ranks, per-rank routes) run
+# on a fetch pool, never on the scheduler thread. requests' timeout=5 bounds
+# connect and each read, not a query's total time: a query still running this
+# long after a worker picked it up is overdue, and a new attempt may replace it.
 BOOTSTRAP_FETCH_TIMEOUT_S = 10
+# The pool size when SGLANG_DISAGGREGATION_THREAD_POOL_SIZE is not set (the
+# default of 0.5.23's rebootstrap executor, which this pool also serves).
+DEFAULT_BOOTSTRAP_FETCH_WORKERS = 16
 
 
-# Reuse a keep-alive session per bootstrap_addr for decode-side bootstrap queries
+# Reuse keep-alive sessions per bootstrap_addr for decode-side bootstrap queries
 # so we don't open a fresh TCP connection per query (that churns short-lived
-# sockets and can exhaust ephemeral ports under high concurrency). Thread-local
-# because requests.Session is not safe for concurrent cross-thread use.
-_bootstrap_sessions = threading.local()
+# sockets and can exhaust ephemeral ports under high concurrency). A session
+# serves one query at a time, because requests.Session is not safe for
+# concurrent cross-thread use; it is taken from a per-addr free list rather
+# than kept per thread, so the fetch pool's threads do not each hold an idle
+# connection to every prefill.
+_BOOTSTRAP_SESSIONS_IDLE_MAX = 2
+_idle_bootstrap_sessions: Dict[str, List[requests.Session]] = defaultdict(list)
+_idle_bootstrap_sessions_lock = threading.Lock()
+
+
+@contextmanager
+def _bootstrap_session(bootstrap_addr: str) -> Iterator[requests.Session]:
+    with _idle_bootstrap_sessions_lock:
+        idle = _idle_bootstrap_sessions[bootstrap_addr]
+        session = idle.pop() if idle else None
+    if session is None:
+        # Bootstrap is http-only, so only http:// is mounted.
+        session = requests.Session()
+        session.mount(
+            "http://", requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=1)
+        )
+    try:
+        yield session
+    finally:
+        with _idle_bootstrap_sessions_lock:
+            idle = _idle_bootstrap_sessions[bootstrap_addr]
+            if len(idle) < _BOOTSTRAP_SESSIONS_IDLE_MAX:
+                idle.append(session)
+                session = None
+        if session is not None:
+            session.close()
+
+
+class _BootstrapFetch(concurrent.futures.Future):
+    """A task of _BootstrapFetchExecutor."""
+
+    def __init__(self, fn: Callable, args: tuple, timeout_s: float):
+        super().__init__()
+        self.fn = fn
+        self.args = args
+        self.timeout_s = timeout_s
+        # Set when a worker picks the task up: its time bound does not run
+        # while it waits in the queue behind other fetches.
+        self.started_at: Optional[float] = None
+        # Set under the owner's lock when the task is overdue or its prefill
+        # was marked failed; the body then drops its answer (_fetch_retired).
+        self.retired = False
+
+    def overdue(self) -> bool:
+        started_at = self.started_at
+        return (
+            started_at is not None
+            and not self.done()
+            and time.monotonic() - started_at > self.timeout_s
+        )
+
+
+_current_fetch = threading.local()
+
+
+def _fetch_retired() -> bool:
+    """Whether the bootstrap fetch running on this thread was retired, so its
+    answer must not be published. False off _BootstrapFetchExecutor."""
+    fetch = getattr(_current_fetch, "fetch", None)
+    return fetch is not None and fetch.retired
+
+
+def bootstrap_fetch_overdue(future: concurrent.futures.Future) -> bool:
+    """A future of _BootstrapFetchExecutor past its time bound; any other
+    future has none."""
+    return isinstance(future, _BootstrapFetch) and future.overdue()
+
+
+def _bootstrap_fetch_workers() -> int:
+    workers = envs.SGLANG_DISAGGREGATION_THREAD_POOL_SIZE.get()
+    if workers is None:
+        workers = DEFAULT_BOOTSTRAP_FETCH_WORKERS
+    return max(1, workers)
 
 
 class _BootstrapFetchExecutor(concurrent.futures.ThreadPoolExecutor):
-    """A ThreadPoolExecutor whose workers are daemon threads, all started up
-    front. ThreadPoolExecutor starts a worker inside submit(), i.e. on the
-    scheduler thread, and joins its workers at interpreter exit, so a fetch
-    blocked on a hung bootstrap server would hold up shutdown."""
+    """The decode side's pool for HTTP to prefill servers: bootstrap queries
+    and rebootstrap /generate calls.
+
+    Its workers are daemon threads, all started up front: ThreadPoolExecutor
+    starts a worker inside submit(), i.e. on the scheduler thread, and joins
+    its workers at interpreter exit, so a fetch blocked on a hung bootstrap
+    server would hold up shutdown. Its futures are _BootstrapFetch tasks, which
+    know when a worker picked them up and can be retired.
+    """
 
     def __init__(self, max_workers: int, thread_name_prefix: str):
         super().__init__(max_workers, thread_name_prefix)
         self._fetch_queue = queue.SimpleQueue()
         self._fetch_stopped = False
+        # Queued and running tasks.
+        self._fetches: Set[_BootstrapFetch] = set()
+        self._fetches_lock = threading.Lock()
         for i in range(max_workers):
             thread = threading.Thread(
                 target=self._fetch_worker, name=f"{thread_name_prefix}_{i}", daemon=True
@@ -114,25 +196,54 @@ class _BootstrapFetchExecutor(concurrent.futures.ThreadPoolExecutor):
             thread.start()
             self._threads.add(thread)
 
-    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+    def submit(self, fn, /, *args, **kwargs) -> _BootstrapFetch:
+        return self.submit_with_timeout(BOOTSTRAP_FETCH_TIMEOUT_S, fn, *args, **kwargs)
+
+    def submit_with_timeout(
+        self, timeout_s: float, fn, /, *args, **kwargs
+    ) -> _BootstrapFetch:
         if self._fetch_stopped:
             raise RuntimeError("cannot schedule new futures after shutdown")
-        future = concurrent.futures.Future()
-        self._fetch_queue.put((future, fn, args, kwargs))
-        return future
+        fetch = _BootstrapFetch(fn, args, timeout_s)
+        with self._fetches_lock:
+            self._fetches.add(fetch)
+        self._fetch_queue.put((fetch, kwargs))
+        return fetch
+
+    def find(self, fn, /, *args) -> Optional[_BootstrapFetch]:
+        """The queued or running task of ``fn(*args)`` that is not retired."""
+        with self._fetches_lock:
+            for fetch in self._fetches:
+                if fetch.fn == fn and fetch.args == args and not fetch.retired:
+                    return fetch
+        return None
+
+    def retire_for(self, bootstrap_addr: str) -> None:
+        """Retire the queued and running bootstrap queries to one prefill: each
+        takes the prefill's bootstrap_addr as its first argument. The caller
+        holds the lock under which those tasks publish their answers."""
+        with self._fetches_lock:
+            for fetch in self._fetches:
+                if fetch.args[:1] == (bootstrap_addr,):
+                    fetch.retired = True
 
     def _fetch_worker(self) -> None:
         while True:
             item = self._fetch_queue.get()
             if item is None:
                 return
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as e:
-                future.set_exception(e)
+            fetch, kwargs = item
+            if fetch.set_running_or_notify_cancel():
+                fetch.started_at = time.monotonic()
+                _current_fetch.fetch = fetch
+                try:
+                    fetch.set_result(fetch.fn(*fetch.args, **kwargs))
+                except BaseException as e:
+                    fetch.set_exception(e)
+                finally:
+                    _current_fetch.fetch = None
+            with self._fetches_lock:
+                self._fetches.discard(fetch)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._fetch_stopped = True
@@ -149,23 +260,6 @@ class _BootstrapFetchExecutor(concurrent.futures.ThreadPoolExecutor):
         if wait:
             for thread in self._threads:
                 thread.join()
-
-
-def _get_bootstrap_session(bootstrap_addr: str) -> requests.Session:
-    sessions = getattr(_bootstrap_sessions, "by_addr", None)
-    if sessions is None:
-        sessions = {}
-        _bootstrap_sessions.by_addr = sessions
-    session = sessions.get(bootstrap_addr)
-    if session is None:
-        # Not evicted: the number of bootstrap_addr is bounded (one per prefill
-        # server). Bootstrap is http-only, so only http:// is mounted.
-        session = requests.Session()
-        session.mount(
-            "http://", requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=1)
-        )
-        sessions[bootstrap_addr] = session
-    return session
 
 
 def get_bootstrap_key(
@@ -404,13 +498,6 @@ class CommonKVManager(BaseKVManager):
     DEFAULT_PREFILL_FAILURE_REASON = (
         "Failed to get kvcache from prefill instance, it might be dead"
     )
-    # Bumped per bootstrap_addr when the heartbeat marks its prefill failed, so
-    # that a fetch already in flight does not republish what it got before.
-    # Replaced on write, never mutated in place (this default is shared).
-    _prefill_epochs: Dict[str, int] = {}
-    # When each outstanding bootstrap query stops holding its requests, by
-    # (id of its in-flight set, key). Replaced on write, like _prefill_epochs.
-    _fetch_deadlines: Dict[Tuple[int, Any], float] = {}
 
     def __init__(
         self,
@@ -599,25 +686,25 @@ class CommonKVManager(BaseKVManager):
             ] = None
             self._prefill_recompute_executor_lock = threading.Lock()
             self._prefill_recompute_sessions = threading.local()
-            # Bootstrap queries (parallel info, dp ranks, routes) run here,
-            # never on the scheduler thread: a bootstrap server that hangs must
-            # not stall decode. The in-flight sets (mutated under
-            # connection_lock) keep it to one outstanding query per key.
+            # Bootstrap queries (parallel info, dp ranks, routes) run on this
+            # pool, never on the scheduler thread: a bootstrap server that hangs
+            # must not stall decode. The dp-rank queries already ran on the
+            # rebootstrap executor, so the pool serves as that executor too,
+            # with its threads started here rather than inside a scheduling
+            # cycle.
             self._parallel_info_executor = _BootstrapFetchExecutor(
-                max_workers=BOOTSTRAP_FETCH_WORKERS,
+                max_workers=_bootstrap_fetch_workers(),
                 thread_name_prefix="pd-bootstrap-fetch",
             )
+            self._prefill_recompute_executor = self._parallel_info_executor
+            # Addrs with a parallel-info fetch outstanding, under connection_lock.
             self._parallel_info_inflight: Set[str] = set()
             # A config mismatch found on the fetch thread, re-raised on the
             # scheduler thread by raise_parallel_info_error().
             self._parallel_info_fatal: Optional[BaseException] = None
-            # Routes fetched per connection_pool key, by (target_tp_rank,
-            # target_pp_rank), for CommonKVReceiver._setup_bootstrap_infos.
-            self._fetched_bootstrap_infos: Dict[str, Dict[Tuple[int, int], dict]] = {}
-            self._bootstrap_infos_inflight: Set[str] = set()
-            # Answers of /query_dp_ranks by bootstrap_addr, not yet consumed.
-            self._prefill_dp_rank_answers: Dict[str, Dict[str, int]] = {}
-            self._prefill_dp_rank_inflight: Set[str] = set()
+            # Background setup of the routes of each (bootstrap_addr,
+            # prefill_dp_rank) on a connection_pool miss, under connection_lock.
+            self._bootstrap_setups: Dict[Tuple[str, int], _BootstrapFetch] = {}
         else:
             raise ValueError(
                 f"Unsupported DisaggregationMode: {self.disaggregation_mode}"
@@ -1496,121 +1583,46 @@ class CommonKVManager(BaseKVManager):
         return bootstrap_addr in self.prefill_info_table
 
     def parallel_info_fetch_in_flight(self, bootstrap_addr: str) -> bool:
-        # Read without the lock: a stale answer only costs a skipped cycle or
-        # one extra call that the locked re-check in try_ensure_parallel_info
-        # rejects.
-        return self._fetch_in_flight(self._parallel_info_inflight, bootstrap_addr)
-
-    def _fetch_in_flight(self, inflight: Set, key) -> bool:
-        """A query for ``key`` is outstanding and within its time bound
-        (BOOTSTRAP_FETCH_TIMEOUT_S). An overdue one keeps its in-flight marker,
-        so no second query starts, but its requests spend their budget."""
-        if key not in inflight:
+        """A fetch for ``bootstrap_addr`` is outstanding and within its time
+        bound. Reads the in-flight set without the lock: a stale answer only
+        costs a skipped cycle or one extra call that the locked re-check in
+        try_ensure_parallel_info rejects. An overdue fetch is retired here, so
+        that the next attempt starts a new one and its late answer is dropped.
+        """
+        if bootstrap_addr not in self._parallel_info_inflight:
             return False
-        deadline = self._fetch_deadlines.get((id(inflight), key))
-        return deadline is None or time.monotonic() < deadline
+        fetch = self._parallel_info_executor.find(
+            self._publish_parallel_info, bootstrap_addr
+        )
+        if fetch is None or not fetch.overdue():
+            return True
+        with self.connection_lock:
+            fetch.retired = True
+            self._parallel_info_inflight.discard(bootstrap_addr)
+        logger.warning(
+            f"Prefill parallel info fetch from {bootstrap_addr} has not ended "
+            f"{fetch.timeout_s} s after it started; counting it as a failed "
+            f"attempt. Check the prefill's bootstrap server and the network."
+        )
+        return False
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Single non-blocking attempt to fetch and cache prefill parallel info.
-        Returns True if info is cached. Otherwise submits at most one background
-        fetch per addr and returns False; callers retry on a later cycle."""
-        # The steady-state call, kept as cheap as 0.5.23's dict lookup.
-        if (
-            self._parallel_info_fatal is None
-            and bootstrap_addr in self.prefill_info_table
-        ):
-            return True
-        return self._try_ensure_fetched(
-            self.prefill_info_table,
-            self._parallel_info_inflight,
-            bootstrap_addr,
-            bootstrap_addr,
-            functools.partial(self._publish_parallel_info, bootstrap_addr),
-        )
-
-    def _try_ensure_fetched(
-        self,
-        table: Dict,
-        inflight: Set,
-        key,
-        bootstrap_addr: str,
-        publish: Callable[[Optional[int]], None],
-    ) -> bool:
-        """Cache lookup plus at most one background fetch per key, shared by
-        every bootstrap query of the decode scheduler. ``publish(epoch)`` runs
-        on the fetch executor and must end in ``_run_fetch``."""
+        """Non-blocking: True if the prefill parallel info is cached. Otherwise
+        submits at most one background fetch per addr and returns False;
+        callers retry on a later scheduling cycle."""
         self.raise_parallel_info_error()
-        if key in table:
+        if bootstrap_addr in self.prefill_info_table:
             return True
-
         with self.connection_lock:
             # Re-check under the lock: a fetch may have published since the
             # unlocked check above.
-            if key in table:
+            if bootstrap_addr in self.prefill_info_table:
                 return True
-            if key in inflight:
+            if bootstrap_addr in self._parallel_info_inflight:
                 return False
-            inflight.add(key)
-            epoch = self._prefill_epochs.get(bootstrap_addr, 0)
-            self._fetch_deadlines = {
-                **self._fetch_deadlines,
-                (id(inflight), key): time.monotonic() + BOOTSTRAP_FETCH_TIMEOUT_S,
-            }
-        self._parallel_info_executor.submit(publish, epoch)
+            self._parallel_info_inflight.add(bootstrap_addr)
+        self._parallel_info_executor.submit(self._publish_parallel_info, bootstrap_addr)
         return False
-
-    def _run_fetch(
-        self,
-        table: Dict,
-        inflight: Set,
-        key,
-        bootstrap_addr: str,
-        epoch: Optional[int],
-        fetch: Callable[[], Any],
-    ) -> Any:
-        """Fetch-executor body: run ``fetch``; under connection_lock, publish a
-        non-None result into ``table`` and clear the in-flight marker in every
-        outcome. A result for a prefill that the heartbeat evicted after the
-        fetch was submitted (its epoch moved) is dropped, not republished."""
-        result = None
-        try:
-            result = fetch()
-        except Exception as e:
-            # Inline, this raised on the scheduler thread and stopped the
-            # engine; keep it fatal there (see raise_parallel_info_error).
-            logger.error(
-                f"Prefill server [{bootstrap_addr}] is incompatible with this "
-                f"decode server: {e}"
-            )
-            self._parallel_info_fatal = e
-        finally:
-            with self.connection_lock:
-                if result is not None and epoch not in (
-                    None,
-                    self._prefill_epochs.get(bootstrap_addr, 0),
-                ):
-                    logger.info(
-                        f"Dropping a bootstrap answer from [{bootstrap_addr}] "
-                        f"fetched before the prefill was marked failed; the next "
-                        f"request fetches it again."
-                    )
-                    result = None
-                # Publish and clear the marker together, so that no cycle sees
-                # neither and submits a second fetch.
-                if result is not None:
-                    table[key] = result
-                inflight.discard(key)
-                deadlines = dict(self._fetch_deadlines)
-                deadline = deadlines.pop((id(inflight), key), None)
-                self._fetch_deadlines = deadlines
-            if deadline is not None and time.monotonic() > deadline:
-                logger.warning(
-                    f"A bootstrap query to [{bootstrap_addr}] ended more than "
-                    f"{BOOTSTRAP_FETCH_TIMEOUT_S} s after it started; its requests "
-                    f"spent their retry budget meanwhile. Check the prefill's "
-                    f"bootstrap server and the network between the two."
-                )
-        return result
 
     def raise_parallel_info_error(self) -> None:
         """Re-raise on the calling thread a config mismatch found by a
@@ -1746,175 +1758,83 @@ class CommonKVManager(BaseKVManager):
                     "--enable-kv-cache-sharding."
                 )
 
-    def _publish_parallel_info(
-        self, bootstrap_addr: str, epoch: Optional[int] = None
-    ) -> None:
+    def _publish_parallel_info(self, bootstrap_addr: str) -> None:
         """Fetch-executor body: fetch, check and cache the parallel info of
-        ``bootstrap_addr``. Clears the in-flight marker in every outcome."""
-
-        def fetch() -> Optional[PrefillServerInfo]:
+        ``bootstrap_addr``, and clear its in-flight marker. A retired fetch
+        (overdue, or its prefill was marked failed since) does neither: a newer
+        fetch owns the marker, and what it got may be stale."""
+        info = None
+        try:
             info = self._fetch_parallel_info(bootstrap_addr)
             if info is not None:
                 self._check_parallel_info(info)
                 self._resolve_rank_mapping(info)
-            return info
-
-        info = self._run_fetch(
-            self.prefill_info_table,
-            self._parallel_info_inflight,
-            bootstrap_addr,
-            bootstrap_addr,
-            epoch,
-            fetch,
-        )
+        except Exception as e:
+            # Inline, this raised on the scheduler thread and stopped the
+            # engine; keep it fatal there (see raise_parallel_info_error).
+            logger.error(
+                f"Prefill server [{bootstrap_addr}] is incompatible with this "
+                f"decode server: {e}"
+            )
+            self._parallel_info_fatal = e
+            info = None
+        finally:
+            with self.connection_lock:
+                if not _fetch_retired():
+                    if info is not None:
+                        self.prefill_info_table[bootstrap_addr] = info
+                    self._parallel_info_inflight.discard(bootstrap_addr)
         if info is not None:
             logger.debug(f"Prefill parallel info for [{bootstrap_addr}]: {info}")
 
-    def _bootstrap_keys(
-        self, bootstrap_addr: str, prefill_dp_rank: int
-    ) -> List[Tuple[str, int]]:
-        """(connection_pool key, target_cp_rank) of every route a receiver of
-        (addr, dp rank) reads. Empty when the parallel info is gone: init()
-        then fails the request without touching the network."""
-        info = self.prefill_info_table.get(bootstrap_addr)
-        if info is None:
-            return []
-        return [
-            (
-                get_bootstrap_key(
-                    bootstrap_addr, prefill_dp_rank, target_cp_rank, info.target_tp_rank
-                ),
-                target_cp_rank,
-            )
-            for target_cp_rank in info.target_cp_ranks
-        ]
-
-    def has_bootstrap_infos(self, bootstrap_addr: str, prefill_dp_rank: int) -> bool:
-        return all(
-            key in self.connection_pool or key in self._fetched_bootstrap_infos
-            for key, _ in self._bootstrap_keys(bootstrap_addr, prefill_dp_rank)
-        )
-
-    def bootstrap_infos_fetch_in_flight(
-        self, bootstrap_addr: str, prefill_dp_rank: int
-    ) -> bool:
-        return any(
-            self._fetch_in_flight(self._bootstrap_infos_inflight, key)
-            for key, _ in self._bootstrap_keys(bootstrap_addr, prefill_dp_rank)
-        )
-
-    def try_ensure_bootstrap_infos(
-        self, receiver: CommonKVReceiver, prefill_dp_rank: int
-    ) -> bool:
-        """Like try_ensure_parallel_info, for the per-rank routes that
-        ``receiver.init(prefill_dp_rank)`` reads: True once all are cached,
-        otherwise at most one background fetch per connection_pool key."""
-        bootstrap_addr = receiver.bootstrap_addr
-        info = self.prefill_info_table.get(bootstrap_addr)
-        ready = True
-        for key, target_cp_rank in self._bootstrap_keys(
-            bootstrap_addr, prefill_dp_rank
-        ):
-            if key in self.connection_pool:
-                continue
-            ready &= self._try_ensure_fetched(
-                self._fetched_bootstrap_infos,
-                self._bootstrap_infos_inflight,
-                key,
-                bootstrap_addr,
-                functools.partial(
-                    self._publish_bootstrap_infos,
-                    receiver,
-                    info,
-                    prefill_dp_rank,
-                    target_cp_rank,
-                    key,
-                ),
-            )
-        return ready
-
-    def _publish_bootstrap_infos(
-        self,
-        receiver: CommonKVReceiver,
-        info: PrefillServerInfo,
-        prefill_dp_rank: int,
-        target_cp_rank: int,
-        key: str,
-        epoch: Optional[int],
-    ) -> None:
-        deadline = self._fetch_deadlines.get(
-            (id(self._bootstrap_infos_inflight), key), float("inf")
-        )
-
-        def fetch() -> Optional[Dict[Tuple[int, int], dict]]:
-            infos = {}
-            for target_tp_rank in info.target_tp_ranks:
-                for target_pp_rank in reversed(info.target_pp_ranks):
-                    # One lookup per rank: stop at the bound, not after all.
-                    if time.monotonic() > deadline:
-                        logger.error(
-                            f"Bootstrap info lookups to [{receiver.bootstrap_addr}] "
-                            f"took longer than {BOOTSTRAP_FETCH_TIMEOUT_S} s; "
-                            f"giving up on this attempt."
-                        )
-                        return None
-                    bootstrap_info = receiver._get_bootstrap_info_from_server(
-                        prefill_dp_rank, target_cp_rank, target_tp_rank, target_pp_rank
-                    )
-                    if bootstrap_info is None:
-                        return None
-                    infos[(target_tp_rank, target_pp_rank)] = bootstrap_info
-            return infos
-
-        self._run_fetch(
-            self._fetched_bootstrap_infos,
-            self._bootstrap_infos_inflight,
-            key,
-            receiver.bootstrap_addr,
-            epoch,
-            fetch,
-        )
-
-    def has_prefill_dp_ranks(self, bootstrap_addr: str) -> bool:
-        return bootstrap_addr in self._prefill_dp_rank_answers
-
-    def prefill_dp_rank_query_in_flight(self, bootstrap_addr: str) -> bool:
-        return self._fetch_in_flight(self._prefill_dp_rank_inflight, bootstrap_addr)
-
-    def try_query_prefill_dp_ranks(
-        self, bootstrap_addr: str, bootstrap_rooms: List[int]
-    ) -> bool:
-        """True if an answer is waiting (take it with pop_prefill_dp_ranks);
-        otherwise starts at most one background query per addr."""
-        return self._try_ensure_fetched(
-            self._prefill_dp_rank_answers,
-            self._prefill_dp_rank_inflight,
-            bootstrap_addr,
-            bootstrap_addr,
-            functools.partial(
-                self._publish_prefill_dp_ranks, bootstrap_addr, list(bootstrap_rooms)
-            ),
-        )
-
-    def pop_prefill_dp_ranks(self, bootstrap_addr: str) -> Dict[str, int]:
+    def bootstrap_setup(self, receiver: CommonKVReceiver) -> concurrent.futures.Future:
+        """Run ``receiver._setup_bootstrap_infos()`` on the fetch pool: on a
+        connection_pool miss it queries the prefill's bootstrap server for every
+        target rank. At most one runs per (bootstrap_addr, prefill_dp_rank); a
+        receiver that needs the same routes meanwhile shares its outcome. The
+        future's result is None once the routes are cached, else the reason."""
+        key = (receiver.bootstrap_addr, receiver.prefill_dp_rank)
         with self.connection_lock:
-            return self._prefill_dp_rank_answers.pop(bootstrap_addr, {})
+            setup = self._bootstrap_setups.get(key)
+            if setup is None or setup.done() or setup.retired:
+                # A copy, so that only the scheduler thread touches the
+                # receiver itself; a failure still fails its room.
+                probe = copy.copy(receiver)
+                probe._connection_pool_entries = {}
+                lookups = (
+                    len(receiver.target_cp_ranks)
+                    * len(receiver.target_tp_ranks)
+                    * len(receiver.target_pp_ranks)
+                )
+                # Bounded per lookup, not in total: slow answers still end.
+                setup = self._parallel_info_executor.submit_with_timeout(
+                    BOOTSTRAP_FETCH_TIMEOUT_S * max(1, lookups),
+                    self._run_bootstrap_setup,
+                    receiver.bootstrap_addr,
+                    probe,
+                )
+                self._bootstrap_setups[key] = setup
+        return setup
 
-    def _publish_prefill_dp_ranks(
-        self, bootstrap_addr: str, bootstrap_rooms: List[int], epoch: Optional[int]
-    ) -> None:
-        self._run_fetch(
-            self._prefill_dp_rank_answers,
-            self._prefill_dp_rank_inflight,
-            bootstrap_addr,
-            bootstrap_addr,
-            epoch,
-            functools.partial(
-                CommonKVReceiver._query_prefill_dp_ranks,
-                bootstrap_addr,
-                bootstrap_rooms,
-            ),
-        )
+    def _run_bootstrap_setup(
+        self, bootstrap_addr: str, probe: CommonKVReceiver
+    ) -> Optional[str]:
+        try:
+            probe._setup_bootstrap_infos()
+        except Exception as e:
+            # Not a configuration mismatch: fail these requests, not decode.
+            logger.exception(f"Bootstrap info setup for [{bootstrap_addr}] failed")
+            return f"Bootstrap info setup for {bootstrap_addr} failed: {e!r}"
+        if probe.conclude_state == KVPoll.Failed:
+            with self.failure_lock:
+                reason = self.failure_records.get(probe.bootstrap_room)
+            return reason or f"Could not fetch bootstrap info from {bootstrap_addr}"
+        if _fetch_retired():
+            return (
+                f"Prefill {bootstrap_addr} was marked failed while its bootstrap "
+                f"info was being fetched"
+            )
+        return None
 
     def _stop_bootstrap_fetches(self) -> None:
         """Teardown never waits on a bootstrap query: queued ones are
@@ -2572,15 +2492,10 @@ class CommonKVManager(BaseKVManager):
             for k in keys_to_remove:
                 del self.connection_pool[k]
             self.prefill_info_table.pop(failed_bootstrap_addr, None)
-            for k in list(self._fetched_bootstrap_infos):
-                if k.startswith(key_prefix):
-                    del self._fetched_bootstrap_infos[k]
-            self._prefill_dp_rank_answers.pop(failed_bootstrap_addr, None)
-            epoch = self._prefill_epochs.get(failed_bootstrap_addr, 0) + 1
-            self._prefill_epochs = {
-                **self._prefill_epochs,
-                failed_bootstrap_addr: epoch,
-            }
+            # Fetches still running for this prefill must not publish what they
+            # got before it failed; the next request fetches again.
+            self._parallel_info_executor.retire_for(failed_bootstrap_addr)
+            self._parallel_info_inflight.discard(failed_bootstrap_addr)
             # A prefill that a later request reaches again starts with no
             # misses; a kept count would drop it at its first missed heartbeat.
             self.heartbeat_failures.pop(failed_bootstrap_addr, None)
@@ -2978,6 +2893,8 @@ class CommonKVReceiver(BaseKVReceiver):
     _prefill_wait_start: Optional[float] = None
     _owns_bootstrap_room: bool = True
     _lifecycle_lock = nullcontext()
+    # init() waiting for CommonKVManager.bootstrap_setup(); poll() resumes it.
+    _bootstrap_setup: Optional[concurrent.futures.Future] = None
 
     _ctx = zmq.Context()
     _ctx.set(zmq.MAX_SOCKETS, envs.SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS.get())
@@ -3067,6 +2984,11 @@ class CommonKVReceiver(BaseKVReceiver):
             )
 
         self.prefill_dp_rank = prefill_dp_rank
+        if not self._bootstrap_infos_cached():
+            # A connection_pool miss queries the prefill's bootstrap server: set
+            # the routes up on the fetch pool, and poll() calls init() again.
+            self._bootstrap_setup = self.kv_mgr.bootstrap_setup(self)
+            return
         self._setup_bootstrap_infos()
         if self.conclude_state == KVPoll.Failed:
             return
@@ -3096,6 +3018,12 @@ class CommonKVReceiver(BaseKVReceiver):
     def _poll(self) -> KVPoll:
         if self.conclude_state is not None:
             return self.conclude_state
+        if (
+            self._bootstrap_setup is not None
+            and self.kv_mgr.check_status(self.bootstrap_room) == KVPoll.Bootstrapping
+            and not self._resume_init()
+        ):
+            return KVPoll.Bootstrapping
         status = self.kv_mgr.check_status(self.bootstrap_room)
         if status in (KVPoll.Success, KVPoll.Failed):
             self.conclude_state = status
@@ -3117,6 +3045,47 @@ class CommonKVReceiver(BaseKVReceiver):
                 return timeout
         return status
 
+    def _bootstrap_infos_cached(self) -> bool:
+        with self.kv_mgr.connection_lock:
+            return all(
+                get_bootstrap_key(
+                    self.bootstrap_addr,
+                    self.prefill_dp_rank,
+                    target_cp_rank,
+                    self.target_tp_rank,
+                )
+                in self.kv_mgr.connection_pool
+                for target_cp_rank in self.target_cp_ranks
+            )
+
+    def _resume_init(self) -> bool:
+        """Go on with init() once its background route setup has ended; False
+        while it runs. Never waits."""
+        setup = self._bootstrap_setup
+        if setup.done():
+            try:
+                reason = setup.result()
+            except BaseException as e:
+                reason = f"Bootstrap info setup for {self.bootstrap_addr} failed: {e!r}"
+        elif setup.overdue():
+            with self.kv_mgr.connection_lock:
+                setup.retired = True
+            reason = (
+                f"Bootstrap info lookups to {self.bootstrap_addr} have not ended "
+                f"{setup.timeout_s} s after they started. Check the prefill's "
+                f"bootstrap server and the network between the two."
+            )
+        else:
+            return False
+        self._bootstrap_setup = None
+        if reason is None:
+            self.init(self.prefill_dp_rank)
+        else:
+            self.kv_mgr.record_failure(self.bootstrap_room, reason)
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+        return True
+
     def _setup_bootstrap_infos(self):
         all_bootstrap_infos = []
         # NOTE: key distinguished by bootstrap_addr, prefill_dp_rank, prefill_cp_rank, and target_tp_rank
@@ -3136,8 +3105,11 @@ class CommonKVReceiver(BaseKVReceiver):
                 for target_tp_rank in self.target_tp_ranks:
                     # Enable higher PP ranks to be bootstrapped earlier to make PP PD requests bootstrap more robust
                     for target_pp_rank in reversed(self.target_pp_ranks):
-                        bootstrap_info = self._get_fetched_bootstrap_info(
-                            bootstrap_key, target_tp_rank, target_pp_rank
+                        bootstrap_info = self._get_bootstrap_info_from_server(
+                            self.prefill_dp_rank,
+                            target_cp_rank,
+                            target_tp_rank,
+                            target_pp_rank,
                         )
                         if bootstrap_info is not None:
                             if self.kv_mgr.is_mla_backend:
@@ -3156,7 +3128,7 @@ class CommonKVReceiver(BaseKVReceiver):
                         else:
                             self.kv_mgr.record_failure(
                                 self.bootstrap_room,
-                                f"Could not fetch bootstrap info for: prefill_dp_rank: {self.prefill_dp_rank} prefill_cp_rank: {target_cp_rank} target_tp_rank: {target_tp_rank} and target_pp_rank {target_pp_rank}",
+                                f"Could not fetch bootstrap info from {self.bootstrap_addr} for: prefill_dp_rank: {self.prefill_dp_rank} prefill_cp_rank: {target_cp_rank} target_tp_rank: {target_tp_rank} and target_pp_rank {target_pp_rank}",
                             )
                             self.conclude_state = KVPoll.Failed
                             self.kv_mgr.update_status(
@@ -3177,9 +3149,16 @@ class CommonKVReceiver(BaseKVReceiver):
                     return
 
                 with self.kv_mgr.connection_lock:
-                    cached_bootstrap_infos = self.kv_mgr.connection_pool.setdefault(
-                        bootstrap_key, self.bootstrap_infos
-                    )
+                    # A background setup retired meanwhile (its prefill was
+                    # marked failed) must not cache what it fetched before.
+                    retired = _fetch_retired()
+                    if not retired:
+                        cached_bootstrap_infos = self.kv_mgr.connection_pool.setdefault(
+                            bootstrap_key, self.bootstrap_infos
+                        )
+                if retired:
+                    self.invalidate_cached_bootstrap_infos()
+                    return
 
                 if cached_bootstrap_infos is not self.bootstrap_infos:
                     self.bootstrap_infos = cached_bootstrap_infos
@@ -3198,21 +3177,7 @@ class CommonKVReceiver(BaseKVReceiver):
             for bootstrap_key, bootstrap_infos in self._connection_pool_entries.items():
                 if self.kv_mgr.connection_pool.get(bootstrap_key) is bootstrap_infos:
                     del self.kv_mgr.connection_pool[bootstrap_key]
-                # The next request fetches the routes again, as it did inline.
-                self.kv_mgr._fetched_bootstrap_infos.pop(bootstrap_key, None)
             self._connection_pool_entries.clear()
-
-    def _get_fetched_bootstrap_info(
-        self, bootstrap_key: str, target_tp_rank: int, target_pp_rank: int
-    ) -> Optional[dict]:
-        """The route that CommonKVManager.try_ensure_bootstrap_infos fetched in
-        the background; None if it is gone (the prefill was marked failed
-        since). Runs on the scheduler thread, so it never touches the network."""
-        with self.kv_mgr.connection_lock:
-            infos = self.kv_mgr._fetched_bootstrap_infos.get(bootstrap_key) or {}
-            bootstrap_info = infos.get((target_tp_rank, target_pp_rank))
-        # A copy: the caller marks is_dummy on it.
-        return dict(bootstrap_info) if bootstrap_info is not None else None
 
     def _get_bootstrap_info_from_server(
         self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank
@@ -3220,7 +3185,8 @@ class CommonKVReceiver(BaseKVReceiver):
         """Fetch the bootstrap info from the bootstrap server."""
         try:
             url = f"http://{self.bootstrap_addr}/route?prefill_dp_rank={prefill_dp_rank}&prefill_cp_rank={prefill_cp_rank}&target_tp_rank={target_tp_rank}&target_pp_rank={target_pp_rank}"
-            response = _get_bootstrap_session(self.bootstrap_addr).get(url, timeout=5)
+            with _bootstrap_session(self.bootstrap_addr) as session:
+                response = session.get(url, timeout=5)
             if response.status_code == 200:
                 bootstrap_info = response.json()
                 # Checked here: init() would raise on the scheduler thread.
@@ -3237,8 +3203,13 @@ class CommonKVReceiver(BaseKVReceiver):
                     f"Failed to get prefill server info: {response.status_code}, {response.text}"
                 )
                 return None
-        except Exception as e:
+        except requests.RequestException as e:
             logger.error(f"Error fetching prefill info from bootstrap: {e}")
+            return None
+        except Exception:
+            logger.exception(
+                f"Unexpected error fetching prefill info from {self.bootstrap_addr}"
+            )
             return None
 
     @staticmethod
@@ -3246,40 +3217,39 @@ class CommonKVReceiver(BaseKVReceiver):
         bootstrap_addr: str, bootstrap_rooms: List[int]
     ) -> Dict[str, int]:
         """Batch query prefill dp_ranks for given bootstrap_rooms."""
-        return (
-            CommonKVReceiver._query_prefill_dp_ranks(bootstrap_addr, bootstrap_rooms)
-            or {}
-        )
-
-    @staticmethod
-    def _query_prefill_dp_ranks(
-        bootstrap_addr: str, bootstrap_rooms: List[int]
-    ) -> Optional[Dict[str, int]]:
-        """Like query_prefill_dp_ranks, but None when there is no valid answer,
-        so a failed query is told apart from rooms not registered yet."""
         try:
             url = f"http://{bootstrap_addr}/query_dp_ranks"
-            response = _get_bootstrap_session(bootstrap_addr).post(
-                url,
-                json={"bootstrap_rooms": bootstrap_rooms},
-                timeout=5,
-            )
+            with _bootstrap_session(bootstrap_addr) as session:
+                response = session.post(
+                    url,
+                    json={"bootstrap_rooms": bootstrap_rooms},
+                    timeout=5,
+                )
             if response.status_code == 200:
                 room_to_rank = response.json()
+                # Read on the scheduler thread: a malformed answer must not raise.
                 if isinstance(room_to_rank, dict) and all(
                     isinstance(rank, int) for rank in room_to_rank.values()
                 ):
                     return room_to_rank
-                logger.error(f"Malformed dp_ranks answer: {response.text[:200]}")
-                return None
+                logger.error(
+                    f"Malformed dp_ranks answer from {bootstrap_addr}: "
+                    f"{response.text[:200]}"
+                )
+                return {}
             else:
                 logger.error(
                     f"Failed to query dp_ranks: {response.status_code}, {response.text}"
                 )
-                return None
-        except Exception as e:
+                return {}
+        except requests.RequestException as e:
             logger.error(f"Error querying dp_ranks from bootstrap: {e}")
-            return None
+            return {}
+        except Exception:
+            logger.exception(
+                f"Unexpected error querying dp_ranks from {bootstrap_addr}"
+            )
+            return {}
 
     @classmethod
     def _connect(cls, endpoint: str, is_ipv6: bool = False):
@@ -3498,14 +3468,12 @@ class CommonKVReceiver(BaseKVReceiver):
             is_from_another_rank=failure_reason is None,
         )
 
-    def abort(self, failure_reason: Optional[str] = None):
+    def abort(self):
         if not self._owns_bootstrap_room:
             self.conclude_state = KVPoll.Failed
             return
         if self.conclude_state != KVPoll.Failed:
-            self.kv_mgr.record_failure(
-                self.bootstrap_room, failure_reason or "Aborted by AbortReq."
-            )
+            self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             self.conclude_state = KVPoll.Failed
         self.ensure_abort_notified()
