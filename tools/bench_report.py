@@ -369,6 +369,39 @@ def report(stock, patched, png_name):
         "`query_prefill_dp_ranks` in `_resolve_pending_reqs`); the answer "
         "comes after a delay. The prefill process is dp rank 0.",
     )
+    lines += [
+        "",
+        "## P7: cycles from `add()` to receiver init, fast prefill",
+        "",
+        "One request to the healthy prefill at first contact, nothing slow: "
+        "the scheduling cycles from its `add()` until its handshake is done "
+        "(receiver initialised, KV metadata sent), and the time. Stock does "
+        "the parallel-info fetch, the dp-rank query and the route lookups "
+        "inline in one cycle; patched starts each in the background and uses "
+        "its answer in the first cycle after it landed (the dp-rank query is "
+        "prefetched before request intake, so an answer that lands by the "
+        "consume point is used in that cycle).",
+        "",
+    ]
+    rows = []
+    for case, label in (
+        ("dp_followed", "dp rank followed"),
+        ("dp_query", "dp rank queried"),
+    ):
+        for name, doc in (("stock", stock), ("patched", patched)):
+            p7 = (doc["summary"].get("P7") or {}).get(case)
+            if not p7 or not p7["cycles_to_init"]:
+                continue
+            rows.append(
+                (
+                    label,
+                    name,
+                    trio(p7["cycles_to_init"], fmt=lambda x: f"{x:.0f}"),
+                    trio(p7["init_s"]),
+                    p7["failed"],
+                )
+            )
+    lines.append(table(["case", "variant", "cycles", "time", "failed"], rows))
     lines.append("")
     return "\n".join(lines)
 

@@ -34,6 +34,9 @@ Figures (each repeated; the report gives min / median / max over repeats):
 - P6 (extra): cycle stall when the healthy prefill poses as dp rank 0 of 2
   (rooms not followed) and its /query_dp_ranks answers after 1 s: the dp-rank
   resolution of _resolve_pending_reqs.
+- P7: a fast healthy prefill at first contact: cycles and time from add()
+  until the request's handshake is done (receiver initialised, KV metadata
+  sent), with the dp rank followed and with it queried (dp rank 0 of 2).
 
 Every cycle also carries its CPU time and the number of HTTP requests the
 scheduler thread sent in it (interpreter audit events), so a stall from a
@@ -314,6 +317,54 @@ class Bench:
             ),
         )
 
+    def fast_first_contact(self, dp_query: bool) -> dict:
+        """P7: one request to the healthy prefill at first contact, nothing
+        slow: the cycles from its add() until its handshake is done (the
+        receiver initialised, its KV metadata sent). With ``dp_query`` the
+        prefill poses as dp rank 0 of 2, so the dp rank is queried too."""
+        c = self.cluster
+        d = c.decode
+        healthy = c.prefills[1]
+        self.settle([healthy.addr])
+        faults = []
+        if dp_query:
+            faults = [
+                harness.fault_spec(
+                    "patch_json",
+                    fields={"dp_size": 2, "follow_bootstrap_room": False},
+                    paths=["/route"],
+                    route_kind="info",
+                ),
+                harness.fault_spec("dp_rank_zero", paths=["/query_dp_ranks"]),
+            ]
+            healthy.set_faults(*faults)
+        first_cycle = len(d.cycles)
+        try:
+            t = c.request(healthy)
+            d.run(
+                lambda: t.t_metadata is not None or t.finished,
+                30,
+                period_s=self.args.period_ms / 1000.0,
+            )
+            cycles = [
+                cy
+                for cy in d.cycles[first_cycle:]
+                if t.t_metadata is not None and cy.start <= t.t_metadata
+            ]
+            d.run(lambda: t.finished, 30)
+        finally:
+            if faults:
+                healthy.clear_fault()
+        out = {
+            "dp_query": dp_query,
+            "state": t.state,
+            "error": t.error,
+            "cycles_to_init": len(cycles) if t.t_metadata is not None else None,
+            "init_s": None if t.t_metadata is None else t.t_metadata - t.t_add,
+        }
+        self.settle([healthy.addr])
+        return out
+
     # -- driver -----------------------------------------------------------
 
     def run(self) -> dict:
@@ -333,6 +384,7 @@ class Bench:
             "cached_lookup": None,
             "slow_rank_lookup": [],
             "slow_dp_rank_query": [],
+            "fast_first_contact": [],
         }
         t_setup = time.perf_counter()
         with harness.Cluster(a.backend, 2) as cluster:
@@ -362,6 +414,12 @@ class Bench:
             self.say("P5 done")
             results["slow_dp_rank_query"].append(self.slow_dp_rank_query(1.0))
             self.say("P6 done")
+            for rep in range(repeats):
+                for dp_query in (False, True):
+                    results["fast_first_contact"].append(
+                        self.fast_first_contact(dp_query)
+                    )
+            self.say("P7 done")
         return {"setup_s": setup_s, "results": results}
 
 
@@ -425,6 +483,21 @@ def summarize(results: dict) -> dict:
             }
             for r in results.get("slow_dp_rank_query", [])
         ],
+        "P7": {
+            ("dp_query" if dp_query else "dp_followed"): {
+                "cycles_to_init": spread(
+                    [r["cycles_to_init"] for r in rs if r["dp_query"] == dp_query]
+                ),
+                "init_s": spread(
+                    [r["init_s"] for r in rs if r["dp_query"] == dp_query]
+                ),
+                "failed": sum(
+                    r["state"] != "success" for r in rs if r["dp_query"] == dp_query
+                ),
+            }
+            for rs in [results.get("fast_first_contact", [])]
+            for dp_query in (False, True)
+        },
     }
 
 

@@ -22,8 +22,8 @@ CLEAR = {
     "Check that the prefill server is up and that its bootstrap server is "
     "reachable from this decode server; the decode log has the error of each "
     "attempt.",
-    "B": "Could not fetch bootstrap info for prefill_dp_rank 0 from <addr> "
-    "after N attempts. (same advice)",
+    "B": "Could not fetch bootstrap info from <addr> for: prefill_dp_rank: 0 "
+    "prefill_cp_rank: 0 target_tp_rank: 0 and target_pp_rank 0",
     "C": "Lost connection with prefill instance (bootstrap_addr: <addr>)",
 }
 PREFIXES = {

@@ -831,6 +831,8 @@ class DecodeSide:
         HTTP requests it sent from this thread."""
         pending_before = {id(r) for r in self.queue.pending_reqs}
         with _Recorded() as rec:
+            # As the decode event loop: prefetch before intake, consume later.
+            self.queue.prefetch_prefill_dp_rank_queries()
             self.queue._resolve_pending_reqs()
             self.queue._update_handshake_waiters()
             pending_after = {id(r) for r in self.queue.pending_reqs}
