@@ -1,0 +1,190 @@
+"""What the decode scheduler thread does during one timed call.
+
+``_Recorded`` times a ``DecodeSide.step()`` or ``add()`` and collects, for the
+calling thread only: the HTTP requests it sends (the interpreter's
+``http.client.send`` audit event) and the threads it starts. ``HTTP`` (``HttpLog``) logs every HTTP request of this process from any
+thread, with the most in flight at once per prefill and kind.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+
+@dataclass
+class Cycle:
+    """One timed call on the scheduler thread (a ``step()`` or an ``add()``)."""
+
+    start: float  # perf_counter at entry
+    duration: float
+    cpu: float = 0.0  # this thread's CPU time during the call
+    # (host, port) of every HTTP request this thread sent during the call
+    http: Tuple[Tuple[str, int], ...] = ()
+    # threads this thread started during the call
+    threads_started: int = 0
+
+
+# HTTP requests made by the scheduler thread, seen through the interpreter's
+# "http.client.send" audit event: raised for every request that requests /
+# urllib3 sends, over a new or a pooled keep-alive connection alike (libzmq
+# and the transfer engines are not seen). Audit hooks cannot be removed, so
+# one is installed per process and is a no-op outside a recorded call.
+_RECORDING: Optional[Tuple[int, list, list]] = None
+_AUDIT_INSTALLED = False
+_REQUEST_LINE_STARTS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"PATCH ")
+
+
+def _audit_hook(event, args):
+    if event == "http.client.send":
+        rec = _RECORDING
+        if rec is not None and threading.get_ident() == rec[0]:
+            conn, data = args
+            # One event per request: the block holding the request line
+            # (a body may follow in further sends).
+            if isinstance(data, (bytes, bytearray)) and data.startswith(
+                _REQUEST_LINE_STARTS
+            ):
+                rec[1].append((str(conn.host), int(conn.port)))
+
+
+def _install_audit_hook() -> None:
+    global _AUDIT_INSTALLED
+    if not _AUDIT_INSTALLED:
+        sys.addaudithook(_audit_hook)
+        _install_thread_start_hook()
+        HTTP.install()
+        _AUDIT_INSTALLED = True
+
+
+def _install_thread_start_hook() -> None:
+    # There is no audit event for a thread start; wrap Thread.start instead.
+    original = threading.Thread.start
+
+    def start(thread):
+        rec = _RECORDING
+        if rec is not None and threading.get_ident() == rec[0]:
+            rec[2].append(thread.name)
+        return original(thread)
+
+    threading.Thread.start = start
+
+
+def _http_kind(method: str, url: str) -> str:
+    path, _, query = url.partition("?")
+    if path.endswith("/route"):
+        return "info" if "prefill_dp_rank=-1" in query else "route"
+    if path.endswith("/query_dp_ranks"):
+        return "dp_ranks"
+    return path.rsplit("/", 1)[-1] or method
+
+
+class HttpLog:
+    """Every HTTP request this process sends through urllib3 (so requests),
+    from any thread: its kind, port, thread and duration, and the most ever
+    in flight at once per (port, kind). Kinds: "info" (parallel info),
+    "route" (per-rank lookup), "dp_ranks", and the last path segment of
+    anything else (e.g. "health")."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.current: Dict[Tuple[int, str], int] = {}
+        self.peak: Dict[Tuple[int, str], int] = {}
+        # (start, end, port, kind, thread name, error or None)
+        self.records: List[tuple] = []
+        self.first: Dict[int, float] = {}
+        self._installed = False
+
+    def install(self) -> None:
+        import urllib3
+
+        if self._installed:
+            return
+        self._installed = True
+        original = urllib3.connectionpool.HTTPConnectionPool.urlopen
+        log = self
+
+        def urlopen(pool, method, url, *args, **kwargs):
+            key = (int(pool.port), _http_kind(method, url))
+            with log.lock:
+                log.current[key] = log.current.get(key, 0) + 1
+                log.peak[key] = max(log.peak.get(key, 0), log.current[key])
+                t0 = time.perf_counter()
+                log.first.setdefault(key[0], t0)
+            error = None
+            try:
+                return original(pool, method, url, *args, **kwargs)
+            except BaseException as e:
+                error = type(e).__name__
+                raise
+            finally:
+                with log.lock:
+                    log.current[key] -= 1
+                    log.records.append(
+                        (
+                            t0,
+                            time.perf_counter(),
+                            key[0],
+                            key[1],
+                            threading.current_thread().name,
+                            error,
+                        )
+                    )
+
+        urllib3.connectionpool.HTTPConnectionPool.urlopen = urlopen
+
+    def reset_peaks(self) -> None:
+        with self.lock:
+            self.peak = dict(self.current)
+
+    def peaks(self, port: Optional[int] = None) -> Dict[str, int]:
+        """Most requests in flight at once since reset_peaks(), by kind."""
+        with self.lock:
+            return {
+                kind: n
+                for (p, kind), n in self.peak.items()
+                if port is None or p == port
+            }
+
+    def first_start(self, port: int) -> Optional[float]:
+        """When the first request to ``port`` started, if any."""
+        return self.first.get(port)
+
+    def in_flight(self, port: int, kind: Optional[str] = None) -> int:
+        with self.lock:
+            return sum(
+                n
+                for (p, k), n in self.current.items()
+                if p == port and (kind is None or k == kind)
+            )
+
+
+HTTP = HttpLog()
+
+
+class _Recorded:
+    """Times a call on the current thread and collects its HTTP requests."""
+
+    def __enter__(self):
+        global _RECORDING
+        self.http: list = []
+        self.threads: list = []
+        _RECORDING = (threading.get_ident(), self.http, self.threads)
+        self.cpu0 = time.thread_time()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        global _RECORDING
+        self.t1 = time.perf_counter()
+        self.cpu = time.thread_time() - self.cpu0
+        _RECORDING = None
+        return False
+
+    def cycle(self) -> Cycle:
+        return Cycle(
+            self.t0, self.t1 - self.t0, self.cpu, tuple(self.http), len(self.threads)
+        )
