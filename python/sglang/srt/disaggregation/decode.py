@@ -1598,6 +1598,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if not decode_req.waiting_for_input:
                 continue
 
+            if self._prefill_unreachable(decode_req):
+                continue
+
             if self.req_to_metadata_buffer_idx_allocator.available_size() <= 0:
                 break
 
@@ -2190,10 +2193,24 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     def _active_req_count(self, extra_reserved_reqs: int = 0) -> int:
         return (
             len(self.scheduler.running_batch.reqs)
-            + sum(not r.host_staged for r in self.transfer_queue.queue)
+            + sum(
+                not r.host_staged and not self._prefill_unreachable(r)
+                for r in self.transfer_queue.queue
+            )
             + len(self.scheduler.waiting_queue)
             + extra_reserved_reqs
         )
+
+    def _prefill_unreachable(self, decode_req: DecodeRequest) -> bool:
+        """The heartbeat missed this request's prefill since it last answered.
+        Such a request cannot start decoding before the prefill answers again
+        (or is declared dead, failing it): it holds no decode headroom and gets
+        no KV meanwhile, or the requests of every other prefill queue behind
+        it until the heartbeat gives up."""
+        if _is_fake_transfer(decode_req.req):
+            return False
+        addr = _bootstrap_addr(decode_req.req)
+        return self.kv_manager.heartbeat_failures.get(addr, 0) > 0
 
     def _active_reserved_tokens(
         self, n_active: Optional[int] = None, extra_reserved_reqs: int = 0

@@ -262,6 +262,61 @@ class _BootstrapFetchExecutor(concurrent.futures.ThreadPoolExecutor):
                 thread.join()
 
 
+class _PushSender:
+    """Sends the decode's control messages to prefill ranks (KV metadata,
+    BOOTSTRAP, ABORT) on a thread of its own, in the order they were posted,
+    so the scheduler thread never touches a prefill's socket: a PUSH send
+    blocks once SNDHWM messages are queued for a peer that does not read,
+    for up to SNDTIMEO per send, and a socket lock can be held by another
+    thread's send to the same peer. A send that fails runs its on_failure."""
+
+    # Messages posted and not yet sent; past this, a post fails at once.
+    MAX_QUEUED = 65536
+
+    def __init__(self):
+        self._queue = queue.Queue(maxsize=self.MAX_QUEUED)
+        self._thread = threading.Thread(
+            target=self._run, name="pd-decode-zmq-sender", daemon=True
+        )
+        self._thread.start()
+
+    def post(
+        self,
+        bootstrap_info: dict,
+        frames: List[bytes],
+        on_failure: Optional[Callable[[BaseException], None]] = None,
+    ) -> None:
+        try:
+            self._queue.put_nowait((bootstrap_info, frames, on_failure))
+        except queue.Full as e:
+            self._failed(bootstrap_info, on_failure, e)
+
+    def _run(self) -> None:
+        while True:
+            bootstrap_info, frames, on_failure = self._queue.get()
+            try:
+                sock, lock = CommonKVReceiver._connect_to_bootstrap_server(
+                    bootstrap_info
+                )
+                with lock:
+                    sock.send_multipart(frames)
+            except Exception as e:
+                self._failed(bootstrap_info, on_failure, e)
+
+    @staticmethod
+    def _failed(bootstrap_info, on_failure, exc: BaseException) -> None:
+        if on_failure is None:
+            logger.debug(
+                f"Failed to send to prefill {bootstrap_info.get('rank_ip')}:"
+                f"{bootstrap_info.get('rank_port')}: {exc!r}"
+            )
+            return
+        try:
+            on_failure(exc)
+        except Exception:
+            logger.exception("Failed to handle a failed send to a prefill rank")
+
+
 def get_bootstrap_key(
     bootstrap_addr: str, prefill_dp_rank: int, target_cp_rank: int, target_tp_rank
 ) -> str:
@@ -697,6 +752,7 @@ class CommonKVManager(BaseKVManager):
                 thread_name_prefix="pd-bootstrap-fetch",
             )
             self._prefill_recompute_executor = self._parallel_info_executor
+            CommonKVReceiver.start_push_sender()
             # Addrs with a parallel-info fetch outstanding, under connection_lock.
             self._parallel_info_inflight: Set[str] = set()
             # A config mismatch found on the fetch thread, re-raised on the
@@ -1319,13 +1375,17 @@ class CommonKVManager(BaseKVManager):
         )
 
     def _send_abort_ack(self, room: int, target: AckTarget) -> None:
-        """Best-effort ack that this rank's transfer for an aborted room drained."""
+        """Best-effort ack that this rank's transfer for an aborted room drained.
+        Sent without waiting: CommonKVSender.clear() sends it on the prefill
+        scheduler thread, which must not wait on a decode that stopped reading
+        (that decode then keeps the room's KV until its own timeout)."""
         try:
             na = NetworkAddress(target.ip, target.port)
             self._send_multipart_locked(
                 na.to_tcp(),
                 AbortAck(room, self._prefill_unique_rank(), target.generation).to_zmq(),
                 is_ipv6=na.is_ipv6,
+                block=False,
             )
         except Exception as e:
             logger.debug(f"Failed to send drained ABORT_ACK for room {room}: {e}")
@@ -2121,13 +2181,28 @@ class CommonKVManager(BaseKVManager):
             return sock
 
     def _send_multipart_locked(
-        self, endpoint: str, parts: List[bytes], is_ipv6: bool = False
+        self,
+        endpoint: str,
+        parts: List[bytes],
+        is_ipv6: bool = False,
+        block: bool = True,
     ):
         # Cached sockets are shared across sender threads and zmq sockets are
         # not thread-safe; serialize sends per endpoint.
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
-        with self._socket_send_locks[endpoint]:
-            sock.send_multipart(parts)
+        if block:
+            with self._socket_send_locks[endpoint]:
+                sock.send_multipart(parts)
+            return
+        # A decode that stopped reading fills the socket's queue (SNDHWM), and
+        # a send then blocks up to SNDTIMEO, holding this lock; never wait.
+        lock = self._socket_send_locks[endpoint]
+        if not lock.acquire(blocking=False):
+            raise zmq.Again(f"a send to {endpoint} is already waiting")
+        try:
+            sock.send_multipart(parts, flags=zmq.DONTWAIT)
+        finally:
+            lock.release()
 
     def get_mha_kv_ptrs_with_pp(
         self, src_kv_ptrs: List[int], dst_kv_ptrs: List[int]
@@ -2901,6 +2976,8 @@ class CommonKVReceiver(BaseKVReceiver):
     _socket_cache = {}
     _socket_locks = {}
     _global_lock = threading.Lock()
+    # One per process, like the sockets; started by the decode kv manager.
+    _push_sender: Optional[_PushSender] = None
 
     def __init__(
         self,
@@ -2996,20 +3073,17 @@ class CommonKVReceiver(BaseKVReceiver):
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
             return
         self._prefill_wait_start = time.time()
-        try:
-            for info in self.bootstrap_infos:
-                sock, lock = self._connect_to_bootstrap_server(info)
-                with lock:
-                    sock.send_multipart(
-                        [
-                            b"BOOTSTRAP",
-                            str(self.bootstrap_room).encode("ascii"),
-                            self.kv_mgr.local_ip.encode("ascii"),
-                            str(self.kv_mgr.rank_port).encode("ascii"),
-                        ]
-                    )
-        except zmq.ZMQError:
-            self.abort()
+        for info in self.bootstrap_infos:
+            self._post_bootstrap_message(
+                bootstrap_info=info,
+                message=[
+                    b"BOOTSTRAP",
+                    str(self.bootstrap_room).encode("ascii"),
+                    self.kv_mgr.local_ip.encode("ascii"),
+                    str(self.kv_mgr.rank_port).encode("ascii"),
+                ],
+                operation="BOOTSTRAP",
+            )
 
     def poll(self) -> KVPoll:
         with self._lifecycle_lock:
@@ -3352,6 +3426,38 @@ class CommonKVReceiver(BaseKVReceiver):
             return False
         return True
 
+    @classmethod
+    def start_push_sender(cls) -> _PushSender:
+        """The process's push sender; the decode kv manager starts it, so that
+        no scheduling cycle starts a thread."""
+        if cls._push_sender is None:
+            with cls._global_lock:
+                if cls._push_sender is None:
+                    cls._push_sender = _PushSender()
+        return cls._push_sender
+
+    def _post_bootstrap_message(
+        self,
+        *,
+        bootstrap_info: dict,
+        message: List[bytes],
+        operation: Literal["BOOTSTRAP", "send_metadata"],
+    ) -> None:
+        """Like _send_bootstrap_message, but sent by the push sender thread:
+        the scheduler thread does not wait. A failed send fails the request
+        as an inline one did, and the routes are fetched again."""
+
+        def on_failure(exc: BaseException) -> None:
+            self.kv_mgr.record_failure(
+                self.bootstrap_room,
+                f"{operation} to prefill {bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')} failed: {exc!r}",
+            )
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            if operation == "send_metadata":
+                self.invalidate_cached_bootstrap_infos()
+
+        self.start_push_sender().post(bootstrap_info, message, on_failure)
+
     def send_metadata(
         self,
         kv_indices: npt.NDArray[np.int32],
@@ -3391,13 +3497,11 @@ class CommonKVReceiver(BaseKVReceiver):
                 is_dummy=bootstrap_info["is_dummy"],
                 device_kv_indices=device_kv_indices,
             )
-            if not self._send_bootstrap_message(
+            self._post_bootstrap_message(
                 bootstrap_info=bootstrap_info,
                 message=message,
                 operation="send_metadata",
-            ):
-                self.invalidate_cached_bootstrap_infos()
-                return
+            )
 
         self.init_time = time.time()
 
@@ -3506,26 +3610,21 @@ class CommonKVReceiver(BaseKVReceiver):
                 self.bootstrap_room
             )
         for bootstrap_info in self.bootstrap_infos:
-            # Best-effort notification to prefill side that this request was aborted.
-            try:
-                sock, lock = self._connect_to_bootstrap_server(bootstrap_info)
-                with lock:
-                    sock.send_multipart(
-                        AbortNotification(
-                            room=self.bootstrap_room,
-                            decode_ip=self.kv_mgr.local_ip,
-                            decode_port=self.kv_mgr.rank_port,
-                            generation=self._abort_generation,
-                        ).to_zmq()
-                    )
-                logger.debug(
-                    f"Sent abort notification for room {self.bootstrap_room} "
-                    f"to {bootstrap_info.get('rank_ip', 'unknown')}:{bootstrap_info.get('rank_port', 'unknown')}"
-                )
-            except Exception as e:
-                logger.debug(
-                    f"Failed to send abort notification for room {self.bootstrap_room}: {e}"
-                )
+            # Best-effort notification to prefill side that this request was
+            # aborted; the push sender logs a failed send.
+            self.start_push_sender().post(
+                bootstrap_info,
+                AbortNotification(
+                    room=self.bootstrap_room,
+                    decode_ip=self.kv_mgr.local_ip,
+                    decode_port=self.kv_mgr.rank_port,
+                    generation=self._abort_generation,
+                ).to_zmq(),
+            )
+            logger.debug(
+                f"Sent abort notification for room {self.bootstrap_room} "
+                f"to {bootstrap_info.get('rank_ip', 'unknown')}:{bootstrap_info.get('rank_port', 'unknown')}"
+            )
 
 
 class CommonKVBootstrapServer(BaseKVBootstrapServer):
