@@ -402,6 +402,46 @@ def report(stock, patched, png_name):
                 )
             )
     lines.append(table(["case", "variant", "cycles", "time", "failed"], rows))
+    lines += [
+        "",
+        "## P8: K requests in flight to a prefill that stops",
+        "",
+        "K requests to one prefill had their KV metadata sent, their KV not yet, "
+        "when its whole process was SIGSTOPped; a healthy prefill's request is "
+        "served, then one scheduling call aborts the K requests, which sends "
+        "their ABORTs to the stopped prefill. Longest call from the freeze on, "
+        "and the ZMQ sends and connects made by the scheduler thread itself "
+        "(patched: a sender thread makes them). A PUSH socket queues up to "
+        "SNDHWM (1000) messages for a peer that does not read before a send "
+        "blocks, so stock does not stall here either: it sends inline.",
+        "",
+    ]
+    rows = []
+    for name, doc in (("stock", stock), ("patched", patched)):
+        for r in doc["summary"].get("P8") or []:
+            rows.append(
+                (
+                    r["k"],
+                    name,
+                    r["in_flight"],
+                    ms(r["max_s"]),
+                    r["scheduler_zmq_ops"],
+                    r["healthy_state"],
+                )
+            )
+    lines.append(
+        table(
+            [
+                "K",
+                "variant",
+                "in flight at the freeze",
+                "longest call",
+                "scheduler-thread ZMQ ops",
+                "healthy request",
+            ],
+            rows,
+        )
+    )
     lines.append("")
     return "\n".join(lines)
 

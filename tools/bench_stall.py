@@ -37,6 +37,10 @@ Figures (each repeated; the report gives min / median / max over repeats):
 - P7: a fast healthy prefill at first contact: cycles and time from add()
   until the request's handshake is done (receiver initialised, KV metadata
   sent), with the dp rank followed and with it queried (dp rank 0 of 2).
+- P8: K = 1, 8, 32 requests in flight to a prefill whose whole process is
+  then frozen; a healthy request is served, then one call aborts the K
+  requests (ABORTs to the frozen prefill): longest call, and ZMQ sends and
+  connects made by the scheduler thread.
 
 Every cycle also carries its CPU time and the number of HTTP requests the
 scheduler thread sent in it (interpreter audit events), so a stall from a
@@ -365,6 +369,41 @@ class Bench:
         self.settle([healthy.addr])
         return out
 
+    def frozen_in_flight(self, k: int) -> dict:
+        """P8: K requests to the frozen prefill were in flight (their KV
+        metadata sent, their KV not yet) when its whole process stopped; a
+        healthy request is served meanwhile, then the clients give up and one
+        scheduling call aborts the K requests (their ABORTs go to the frozen
+        prefill). The longest call and the ZMQ operations of the scheduler
+        thread, from the freeze on."""
+        c = self.cluster
+        d = c.decode
+        frozen, healthy = c.prefills
+        self.settle([frozen.addr, healthy.addr])
+        warm = c.request(frozen)
+        d.run(lambda: warm.finished, 30)
+        held = [c.request(frozen, hold_s=120) for _ in range(k)]
+        d.run(lambda: all(t.t_metadata is not None for t in held), 30)
+        first_cycle = len(d.cycles)
+        frozen.freeze()
+        try:
+            served = c.request(healthy)
+            d.run(lambda: served.finished, 30)
+            d.timed(lambda: [t.decode_req.kv_receiver.abort() for t in held])
+            d.run_for(0.5)
+        finally:
+            frozen.resume()
+            d.abort_all()
+            self.settle([frozen.addr, healthy.addr])
+        cycles = d.cycles[first_cycle:]
+        return {
+            "k": k,
+            "in_flight": sum(t.t_metadata is not None for t in held),
+            "stats": cycle_stats(cycles),
+            "scheduler_zmq_ops": sum(len(cy.zmq) for cy in cycles),
+            "healthy_state": served.state,
+        }
+
     # -- driver -----------------------------------------------------------
 
     def run(self) -> dict:
@@ -385,6 +424,7 @@ class Bench:
             "slow_rank_lookup": [],
             "slow_dp_rank_query": [],
             "fast_first_contact": [],
+            "frozen_in_flight": [],
         }
         t_setup = time.perf_counter()
         with harness.Cluster(a.backend, 2) as cluster:
@@ -420,6 +460,9 @@ class Bench:
                         self.fast_first_contact(dp_query)
                     )
             self.say("P7 done")
+            for k in (1, 8, 32):
+                results["frozen_in_flight"].append(self.frozen_in_flight(k))
+            self.say("P8 done")
         return {"setup_s": setup_s, "results": results}
 
 
@@ -482,6 +525,16 @@ def summarize(results: dict) -> dict:
                 **r["stats"],
             }
             for r in results.get("slow_dp_rank_query", [])
+        ],
+        "P8": [
+            {
+                "k": r["k"],
+                "in_flight": r["in_flight"],
+                "max_s": r["stats"].get("max_s"),
+                "scheduler_zmq_ops": r["scheduler_zmq_ops"],
+                "healthy_state": r["healthy_state"],
+            }
+            for r in results.get("frozen_in_flight", [])
         ],
         "P7": {
             ("dp_query" if dp_query else "dp_followed"): {

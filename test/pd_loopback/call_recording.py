@@ -2,7 +2,9 @@
 
 ``_Recorded`` times a ``DecodeSide.step()`` or ``add()`` and collects, for the
 calling thread only: the HTTP requests it sends (the interpreter's
-``http.client.send`` audit event) and the threads it starts. ``HTTP`` (``HttpLog``) logs every HTTP request of this process from any
+``http.client.send`` audit event), the ZMQ sends and connects it makes (pyzmq's
+``Socket.send`` / ``send_multipart`` / ``connect``, wrapped), and the threads it
+starts. ``HTTP`` (``HttpLog``) logs every HTTP request of this process from any
 thread, with the most in flight at once per prefill and kind.
 """
 
@@ -26,6 +28,9 @@ class Cycle:
     http: Tuple[Tuple[str, int], ...] = ()
     # threads this thread started during the call
     threads_started: int = 0
+    # ZMQ socket operations ("send", "send_multipart", "connect") this thread
+    # made during the call
+    zmq: Tuple[str, ...] = ()
 
 
 # HTTP requests made by the scheduler thread, seen through the interpreter's
@@ -33,7 +38,7 @@ class Cycle:
 # urllib3 sends, over a new or a pooled keep-alive connection alike (libzmq
 # and the transfer engines are not seen). Audit hooks cannot be removed, so
 # one is installed per process and is a no-op outside a recorded call.
-_RECORDING: Optional[Tuple[int, list, list]] = None
+_RECORDING: Optional[Tuple[int, list, list, list]] = None
 _AUDIT_INSTALLED = False
 _REQUEST_LINE_STARTS = (b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"PATCH ")
 
@@ -56,8 +61,27 @@ def _install_audit_hook() -> None:
     if not _AUDIT_INSTALLED:
         sys.addaudithook(_audit_hook)
         _install_thread_start_hook()
+        _install_zmq_hook()
         HTTP.install()
         _AUDIT_INSTALLED = True
+
+
+def _install_zmq_hook() -> None:
+    # libzmq raises no audit event; wrap pyzmq's socket methods instead (a
+    # PUSH send to a peer that stopped reading blocks once SNDHWM messages
+    # are queued, a connect can be slow to set up).
+    import zmq
+
+    for name in ("send", "send_multipart", "connect"):
+        original = getattr(zmq.Socket, name)
+
+        def recorded(sock, *args, _name=name, _original=original, **kwargs):
+            rec = _RECORDING
+            if rec is not None and threading.get_ident() == rec[0]:
+                rec[3].append(_name)
+            return _original(sock, *args, **kwargs)
+
+        setattr(zmq.Socket, name, recorded)
 
 
 def _install_thread_start_hook() -> None:
@@ -172,7 +196,8 @@ class _Recorded:
         global _RECORDING
         self.http: list = []
         self.threads: list = []
-        _RECORDING = (threading.get_ident(), self.http, self.threads)
+        self.zmq: list = []
+        _RECORDING = (threading.get_ident(), self.http, self.threads, self.zmq)
         self.cpu0 = time.thread_time()
         self.t0 = time.perf_counter()
         return self
@@ -186,5 +211,10 @@ class _Recorded:
 
     def cycle(self) -> Cycle:
         return Cycle(
-            self.t0, self.t1 - self.t0, self.cpu, tuple(self.http), len(self.threads)
+            self.t0,
+            self.t1 - self.t0,
+            self.cpu,
+            tuple(self.http),
+            len(self.threads),
+            tuple(self.zmq),
         )

@@ -356,6 +356,15 @@ class DecodeSide:
                 return False
             time.sleep(period_s)
 
+    def timed(self, fn: Callable[[], object]) -> Cycle:
+        """Run ``fn`` as a scheduling call of its own (timed and recorded like
+        ``step()``), e.g. the aborts a scheduling cycle makes."""
+        with _Recorded() as rec:
+            fn()
+        cycle = rec.cycle()
+        self.cycles.append(cycle)
+        return cycle
+
     def run_for(self, seconds: float, period_s: float = 0.005) -> None:
         self.run(lambda: False, seconds, period_s)
 

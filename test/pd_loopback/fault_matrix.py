@@ -7,8 +7,9 @@ before first contact with the faulty prefill or after its info was cached,
 spreads requests over the three prefills, drives decode scheduling calls until
 every request has ended (or a hard cap), and records:
 
-- the longest decode scheduling call (``step()`` or ``add()``) and the HTTP
-  requests the scheduler thread itself sent to the faulty prefill;
+- the longest decode scheduling call (``step()`` or ``add()``), the HTTP
+  requests the scheduler thread itself sent to the faulty prefill and the ZMQ
+  sends and connects it made;
 - requests: admitted, transferred, failed (by message), pending at the end;
 - the most HTTP requests in flight at once to the faulty bootstrap server,
   per kind ("info", "route", "dp_ranks", "health"), from any thread;
@@ -85,11 +86,13 @@ class Run:
 
     # -- driving ----------------------------------------------------------
 
-    def request(self, prefill, n: int = 1) -> List[harness.Tracked]:
+    def request(
+        self, prefill, n: int = 1, hold_s: float = 0.0
+    ) -> List[harness.Tracked]:
         out = []
         for _ in range(n):
             target = prefill if prefill is not None else self.target
-            out.append(self.m.cluster.request(target, NUM_TOKENS))
+            out.append(self.m.cluster.request(target, NUM_TOKENS, hold_s=hold_s))
         self.requests.extend(out)
         return out
 
@@ -245,6 +248,8 @@ def summarize(run: Run, calls, t0, t1, threads_start, threads_end) -> dict:
             1 for c in calls for (_, port) in c.http if port in faulty_ports
         ),
         "scheduler_threads_started": sum(c.threads_started for c in calls),
+        # ZMQ sends and connects made by the scheduler thread itself
+        "scheduler_zmq_ops": sum(len(c.zmq) for c in calls),
         "requests": len(run.requests),
         "admitted": sum(1 for t in run.requests if t.t_admitted is not None),
         "transferred": sum(1 for t in run.requests if t.state == "success"),
@@ -305,6 +310,23 @@ def frozen(run: Run) -> None:
     run.faulty.resume()
     run.settle_fetches()
     run.request(run.faulty)
+
+
+def frozen_in_flight(run: Run) -> None:
+    # The whole prefill stops after the handshake of its requests, before
+    # their KV: the decode has sent their metadata and waits; the heartbeat
+    # fails them, and their ABORTs go to the frozen prefill.
+    held = run.request(run.faulty, n=3, hold_s=HEARTBEAT_DETECT_S + 10)
+    run.cycles(lambda: all(t.t_metadata is not None for t in held), 30)
+    run.extra["in_flight_at_freeze"] = sum(t.state == "transferring" for t in held)
+    run.faulty.freeze()
+    run.spread(n_faulty=1)
+    run.finish()
+    run.faulty.resume()
+    run.settle_fetches()
+    after = run.request(run.faulty)
+    run.cycles(lambda: after[0].finished, 30)
+    run.extra["served_after_resume"] = after[0].state == "success"
 
 
 def slow(delay_s: float) -> Callable[[Run], None]:
@@ -575,6 +597,12 @@ FAULTS: List[Fault] = [
     ),
     Fault("frozen", "2. prefill frozen (SIGSTOP)", FIRST, frozen),
     Fault("frozen", "2. prefill frozen (SIGSTOP)", CACHED, frozen),
+    Fault(
+        "frozen_in_flight",
+        "2. prefill frozen after the handshake, requests in flight",
+        CACHED,
+        frozen_in_flight,
+    ),
     Fault("slow_under", "3. slow: 4.5 s, under the 5 s timeout", FIRST, slow(4.5)),
     Fault("slow_over", "3. slow: 5.5 s, over the 5 s timeout", FIRST, slow(5.5)),
     Fault("status", "4. HTTP 500, 503, then healthy", FIRST, status_then_healthy),

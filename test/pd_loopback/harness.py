@@ -155,15 +155,22 @@ class Cluster:
         return b
 
     def request(
-        self, target, num_tokens: int = 16, send_timeout_s: float = 30
+        self,
+        target,
+        num_tokens: int = 16,
+        send_timeout_s: float = 30,
+        hold_s: float = 0.0,
     ) -> Tracked:
         """A new request routed to ``target`` (a PrefillProcess or an addr):
-        the prefill is asked to serve it, then the decode ``add()``s it."""
+        the prefill is asked to serve it (sending its KV ``hold_s`` after the
+        decode's metadata came), then the decode ``add()``s it."""
         addr = target.addr if hasattr(target, "addr") else target
         room = self.decode.new_room()
         job = None
         if isinstance(target, PrefillProcess):
-            job = target.send_kv(room, num_tokens, timeout_s=send_timeout_s)
+            job = target.send_kv(
+                room, num_tokens, timeout_s=send_timeout_s, hold_s=hold_s
+            )
         t = self.decode.add(addr, num_tokens=num_tokens, room=room)
         t.prefill_job = job
         return t

@@ -247,17 +247,19 @@ class PrefillProcess:
         self.set_fault("none")
 
     def send_kv(
-        self, room: int, num_tokens: int, timeout_s: float = 30
+        self, room: int, num_tokens: int, timeout_s: float = 30, hold_s: float = 0.0
     ) -> concurrent.futures.Future:
         """Ask the prefill to serve ``room``: wait for the decode's metadata,
-        write ``pd_setup.kv_pattern(room)`` and send it. The future resolves
-        with {"status": "Success"|"Failed"|"Timeout"|"Error", ...}."""
+        then ``hold_s`` (its forward pass, say), write
+        ``pd_setup.kv_pattern(room)`` and send it. The future resolves with
+        {"status": "Success"|"Failed"|"Timeout"|"Error", ...}."""
         return self._request(
             {
                 "cmd": "send",
                 "room": room,
                 "num_tokens": num_tokens,
                 "timeout_s": timeout_s,
+                "hold_s": hold_s,
             }
         )
 

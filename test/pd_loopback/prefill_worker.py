@@ -230,6 +230,8 @@ class Worker:
                 sender.abort()
                 return {"status": "Timeout", "error": "decode never bootstrapped"}
             return {"status": "Failed", "error": failure()}
+        # The decode has sent its metadata; this stands for the forward pass.
+        time.sleep(float(msg.get("hold_s", 0.0)))
 
         with self.alloc_lock:
             token_indices = self.allocator.alloc(num_tokens)

@@ -63,6 +63,7 @@ class TestFaultMatrixMooncake(CustomTestCase):
         self.assertLess(r["longest_call_s"] or 0.0, CALL_BOUND_S, summary)
         self.assertEqual(r["scheduler_http_to_faulty"], 0, summary)
         self.assertEqual(r["scheduler_threads_started"], 0, summary)
+        self.assertEqual(r["scheduler_zmq_ops"], 0, summary)
         for kind, n in r["max_in_flight"].items():
             self.assertLessEqual(n, 1, f"{kind}: {summary}")
         self.assertEqual(r["new_non_daemon_threads"], [], summary)
@@ -83,6 +84,11 @@ class TestFaultMatrixMooncake(CustomTestCase):
         self.assertIn(expected, "".join(r["failures"]))
         # The request made after SIGCONT is served.
         self.assertGreaterEqual(r["faulty"]["transferred"], 1, r)
+
+    def check_frozen_in_flight(self, r, fault):
+        self.assertEqual(r["extra"]["in_flight_at_freeze"], 3, r)
+        self.assertIn(LOST, "".join(r["failures"]))
+        self.assertTrue(r["extra"]["served_after_resume"], r)
 
     def check_slow_under(self, r, fault):
         self.assertEqual(r["failed"], 0, r)
