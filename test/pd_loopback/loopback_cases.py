@@ -280,3 +280,50 @@ class LoopbackCases:
         self.assertTransferred(slow)
         self.assertNoSchedulerHTTP(self.faulty)
         self.assertCyclesBounded()
+
+    def test_rooms_failed_while_frozen_end_on_the_prefill_once_it_is_back(self):
+        """The decode fails requests whose prefill stopped (heartbeat) or
+        never answered (fetch budget); once that prefill answers again it is
+        told, and its own side of those requests ends at once instead of
+        waiting SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT for the decode."""
+        from sglang.srt.disaggregation.common.conn import ORPHANED_ROOM_ABORT_REASON
+
+        warm = self.request(self.faulty)
+        self.run_until(lambda: warm.finished, 30)
+        self.assertTransferred(warm)
+
+        self.faulty.freeze()
+        # In flight when it stopped: failed by the heartbeat.
+        lost = [self.request(self.faulty) for _ in range(2)]
+        self.run_until(lambda: all(r.finished for r in lost), HEARTBEAT_DETECT_S)
+        # Routed to it while it is known to be down: failed by the budget.
+        budget = MAX_ENSURE_RETRIES * (HTTP_TIMEOUT_S + ENSURE_RETRY_INTERVAL_S)
+        refused = [self.request(self.faulty) for _ in range(2)]
+        self.run_until(lambda: all(r.finished for r in refused), budget + 10)
+        for r in lost + refused:
+            self.assertEqual(r.state, "failed", r.error)
+
+        self.faulty.resume()
+        t_resume = time.perf_counter()
+        # A request made after the prefill is back is not aborted by this.
+        after = self.request(self.faulty)
+        self.run_until(
+            lambda: after.finished
+            and all(r.prefill_job.done() for r in lost + refused),
+            HEARTBEAT_DETECT_S,
+        )
+        self.assertTransferred(after)
+        # The decode never sent these a KV destination: the prefill was
+        # waiting for one, and now fails them with the decode's reason.
+        for r in refused:
+            result = r.prefill_job.result(timeout=1)
+            self.assertEqual(result["status"], "Failed", result)
+            self.assertIn(ORPHANED_ROOM_ABORT_REASON, result["error"])
+        # These had theirs before the freeze: they end either way.
+        for r in lost:
+            self.assertIn(
+                r.prefill_job.result(timeout=1)["status"], ("Success", "Failed")
+            )
+        # Well before the prefill's own bootstrap timeout (300 s).
+        self.assertLess(time.perf_counter() - t_resume, HEARTBEAT_DETECT_S)
+        self.assertCyclesBounded()

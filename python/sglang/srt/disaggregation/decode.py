@@ -1244,6 +1244,15 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                         self.kv_manager.record_failure(
                             decode_req.kv_receiver.bootstrap_room, failure_reason
                         )
+                # The prefill may hold these too, once it answers again.
+                self.kv_manager.remember_orphaned_rooms(
+                    bootstrap_addr,
+                    [
+                        decode_req.kv_receiver.bootstrap_room
+                        for decode_req in reqs
+                        if decode_req.kv_receiver is not None
+                    ],
+                )
                 self._clear_ensure_state(bootstrap_addr)
                 continue
 

@@ -85,6 +85,7 @@ def make_decode_manager(workers: int = 1) -> CommonKVManager:
     mgr._parallel_info_inflight = set()
     mgr._parallel_info_fatal = None
     mgr._bootstrap_setups = {}
+    mgr._orphaned_rooms = conn_mod._OrphanedRooms(max_age_s=300)
     return mgr
 
 
@@ -127,6 +128,11 @@ def route_port(dp_rank: int, tp_rank: int) -> int:
     return 20000 + 10 * dp_rank + tp_rank
 
 
+class LocalHTTPServer(ThreadingHTTPServer):
+    # The default backlog of 5 resets connections on a loaded host.
+    request_queue_size = 128
+
+
 class FakeBootstrapServer:
     """A prefill bootstrap server on 127.0.0.1 answering the three queries a
     decode makes: parallel info, per-rank route and dp ranks."""
@@ -161,7 +167,7 @@ class FakeBootstrapServer:
                 pass
 
         self.dp_size = info["dp_size"]
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = LocalHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()

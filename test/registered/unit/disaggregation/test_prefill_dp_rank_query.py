@@ -13,7 +13,7 @@ import json
 import threading
 import unittest
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 from unittest import mock
 
@@ -23,7 +23,11 @@ from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from test_no_network_on_scheduler_thread import make_queue
+from test_no_network_on_scheduler_thread import (
+    FakeClock,
+    LocalHTTPServer,
+    make_queue,
+)
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
@@ -66,7 +70,7 @@ class DpRankServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = LocalHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self.addr = f"127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -94,9 +98,14 @@ class _Base(CustomTestCase):
     def setUp(self):
         super().setUp()
         disagg = SimpleNamespace(disaggregation_decode_allocation_policy="early")
-        patcher = mock.patch.object(decode_mod, "get_disagg", return_value=disagg)
-        patcher.start()
-        self.addCleanup(patcher.stop)
+        # Time passes only when a test says so (pass_interval), however long
+        # a query takes on a loaded host.
+        for patcher in (
+            mock.patch.object(decode_mod, "get_disagg", return_value=disagg),
+            mock.patch.object(decode_mod, "time", FakeClock()),
+        ):
+            patcher.start()
+            self.addCleanup(patcher.stop)
         self.server = DpRankServer()
         self.addCleanup(self.server.stop)
         self.executor = ThreadPoolExecutor(max_workers=1)

@@ -78,6 +78,11 @@ logger = logging.getLogger(__name__)
 
 ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
+# Sent with the ABORT of a room the decode failed while its prefill was
+# unreachable, once that prefill answers again; the prefill fails with it.
+ORPHANED_ROOM_ABORT_REASON = (
+    "decode gave up on this request while this prefill was unreachable"
+)
 
 # Decode-side bootstrap queries (parallel info, dp ranks, per-rank routes) run
 # on a fetch pool, never on the scheduler thread. requests' timeout=5 bounds
@@ -317,6 +322,80 @@ class _PushSender:
             logger.exception("Failed to handle a failed send to a prefill rank")
 
 
+class _OrphanedRooms:
+    """Rooms a decode failed because their prefill was unreachable, by the
+    prefill's bootstrap_addr, with the prefill's rank endpoints. That prefill
+    may still hold those requests once it comes back, waiting up to
+    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT for a decode bootstrap that never
+    comes, and its client with it; so the decode sends their ABORT at each of
+    the first SENDS heartbeats the prefill answers (it may not have taken a
+    request in yet at the first). Bounded: at most MAX_ROOMS rooms (the
+    oldest go first), none older than the prefill's bootstrap timeout."""
+
+    MAX_ROOMS = 4096
+    SENDS = 3
+
+    def __init__(self, max_age_s: float):
+        self.max_age_s = max_age_s
+        self._lock = threading.Lock()
+        # addr -> room -> [failed at (monotonic), sends left]
+        self._rooms: Dict[str, Dict[int, List]] = {}
+        self._endpoints: Dict[str, Set[Tuple[str, int]]] = {}
+
+    def add_endpoints(self, addr: str, endpoints: Set[Tuple[str, int]]) -> None:
+        with self._lock:
+            self._endpoints.setdefault(addr, set()).update(endpoints)
+
+    def add(self, addr: str, rooms: List[int]) -> int:
+        """Remember ``rooms``; returns how many were kept (none when the
+        prefill's rank endpoints were never learned)."""
+        now = time.monotonic()
+        with self._lock:
+            if not rooms or not self._endpoints.get(addr):
+                return 0
+            by_room = self._rooms.setdefault(addr, {})
+            for room in rooms:
+                by_room[room] = [now, self.SENDS]
+            self._evict(now)
+            return len(rooms)
+
+    def addrs(self) -> List[str]:
+        with self._lock:
+            self._evict(time.monotonic())
+            return list(self._rooms)
+
+    def take(self, addr: str) -> Tuple[List[Tuple[str, int]], List[int]]:
+        """(endpoints, rooms) to abort now that ``addr`` answered; counts a
+        send for each room and forgets those that had their last."""
+        with self._lock:
+            self._evict(time.monotonic())
+            by_room = self._rooms.get(addr)
+            if not by_room:
+                return [], []
+            rooms = list(by_room)
+            for room in rooms:
+                by_room[room][1] -= 1
+                if by_room[room][1] <= 0:
+                    del by_room[room]
+            if not by_room:
+                del self._rooms[addr]
+            return sorted(self._endpoints.get(addr, ())), rooms
+
+    def _evict(self, now: float) -> None:
+        entries = [
+            (failed_at, addr, room)
+            for addr, by_room in self._rooms.items()
+            for room, (failed_at, _) in by_room.items()
+        ]
+        entries.sort()
+        excess = len(entries) - self.MAX_ROOMS
+        for i, (failed_at, addr, room) in enumerate(entries):
+            if i < excess or now - failed_at > self.max_age_s:
+                del self._rooms[addr][room]
+        for addr in [a for a, by_room in self._rooms.items() if not by_room]:
+            del self._rooms[addr]
+
+
 def get_bootstrap_key(
     bootstrap_addr: str, prefill_dp_rank: int, target_cp_rank: int, target_tp_rank
 ) -> str:
@@ -418,6 +497,9 @@ class AbortNotification(msgspec.Struct, frozen=True):
     decode_ip: Optional[str] = None
     decode_port: Optional[int] = None
     generation: Optional[int] = None
+    # Why the decode gave up, in a frame after the generation: 0.5.23 reads
+    # no further than the generation and ignores it.
+    reason: Optional[str] = None
 
     @classmethod
     def from_zmq(cls, msg: List[bytes]) -> Optional[AbortNotification]:
@@ -447,11 +529,13 @@ class AbortNotification(msgspec.Struct, frozen=True):
                 generation = int(msg[4].decode("ascii"))
             except (ValueError, UnicodeDecodeError):
                 logger.warning("Malformed ABORT message: invalid generation")
+        reason = msg[5].decode("utf-8", errors="replace") if len(msg) >= 6 else None
         return cls(
             room=room,
             decode_ip=decode_ip,
             decode_port=decode_port,
             generation=generation,
+            reason=reason,
         )
 
     def to_zmq(self) -> List[bytes]:
@@ -465,6 +549,8 @@ class AbortNotification(msgspec.Struct, frozen=True):
             )
             if self.generation is not None:
                 frames.append(str(self.generation).encode("ascii"))
+                if self.reason is not None:
+                    frames.append(self.reason.encode("utf-8"))
         return frames
 
     def deferred_ack_target(self) -> Optional[AckTarget]:
@@ -535,6 +621,8 @@ class CommonKVManager(BaseKVManager):
     reports_transfer_latency: bool = False
     # Set by teardown() to stop the worker threads, decode listener included.
     _stopped: bool = False
+    # Prefill side: ABORTs for rooms not known here or already finished.
+    _ignored_abort_notifications: int = 0
     # Bad decode control messages (see handle_decode_message): how many, and
     # when one was last logged, at most once per interval.
     BAD_DECODE_MSG_LOG_INTERVAL_S = 30.0
@@ -758,6 +846,9 @@ class CommonKVManager(BaseKVManager):
             # A config mismatch found on the fetch thread, re-raised on the
             # scheduler thread by raise_parallel_info_error().
             self._parallel_info_fatal: Optional[BaseException] = None
+            self._orphaned_rooms = _OrphanedRooms(
+                max_age_s=envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+            )
             # Background setup of the routes of each (bootstrap_addr,
             # prefill_dp_rank) on a connection_pool miss, under connection_lock.
             self._bootstrap_setups: Dict[Tuple[str, int], _BootstrapFetch] = {}
@@ -1408,6 +1499,26 @@ class CommonKVManager(BaseKVManager):
         # each sends its own ABORT; fan the ACK out to every one of them.
         for target in (targets or {}).values():
             self._send_abort_ack(room, target)
+
+    def note_abort_notification(
+        self, notification: AbortNotification, room_active: bool
+    ) -> None:
+        """Prefill side: a decode aborted ``notification.room``. The reason it
+        sent, if any, becomes the request's failure; an abort for a room this
+        prefill never saw or already finished is counted and ignored."""
+        if room_active:
+            if notification.reason:
+                self.record_failure(
+                    notification.room, f"Aborted by the decode: {notification.reason}"
+                )
+            return
+        self._ignored_abort_notifications += 1
+        logger.debug(
+            "Ignored the ABORT of room %s: not known here or already finished "
+            "(%d so far)",
+            notification.room,
+            self._ignored_abort_notifications,
+        )
 
     def register_deferred_ack_target(self, room: int, target: AckTarget) -> None:
         """Hold this generation's ACK until the room's transfer drains.
@@ -2512,6 +2623,7 @@ class CommonKVManager(BaseKVManager):
                         if response.status_code == 200:
                             self.heartbeat_failures[bootstrap_addr] = 0
                             self._on_heartbeat_success(bootstrap_addr)
+                            self._abort_orphaned_rooms(bootstrap_addr)
                         else:
                             logger.info(
                                 f"Attempting to reconnect to {bootstrap_addr}..."
@@ -2534,6 +2646,12 @@ class CommonKVManager(BaseKVManager):
                             if bootstrap_addr in self.session_pool:
                                 del self.session_pool[bootstrap_addr]
 
+                # A prefill marked failed is no longer checked above; see
+                # whether it is back, for the rooms this decode failed.
+                for bootstrap_addr in self._orphaned_rooms.addrs():
+                    if bootstrap_addr not in addresses:
+                        self._probe_orphaning_prefill(bootstrap_addr)
+
         t = threading.Thread(
             target=heartbeat_checker,
             name="HeartbeatChecker",
@@ -2541,6 +2659,16 @@ class CommonKVManager(BaseKVManager):
         )
         t.start()
         return t
+
+    def _probe_orphaning_prefill(self, bootstrap_addr: str) -> None:
+        with self.session_pool_lock:
+            session = self.session_pool[bootstrap_addr]
+        try:
+            response = session.get(f"http://{bootstrap_addr}/health", timeout=(2, 3))
+        except requests.RequestException:
+            return
+        if response.status_code == 200:
+            self._abort_orphaned_rooms(bootstrap_addr)
 
     def _on_heartbeat_success(self, bootstrap_addr: str):
         """Hook called on successful heartbeat. Override for backend-specific cleanup."""
@@ -2557,6 +2685,7 @@ class CommonKVManager(BaseKVManager):
             ]
             # Collect TCP endpoints from cached bootstrap_infos before deletion
             stale_endpoints = set()
+            rank_endpoints = set()
             for k in keys_to_remove:
                 for info in self.connection_pool[k]:
                     ip = info.get("rank_ip")
@@ -2564,6 +2693,7 @@ class CommonKVManager(BaseKVManager):
                     if ip and port:
                         na = NetworkAddress(ip, int(port))
                         stale_endpoints.add(na.to_tcp())
+                        rank_endpoints.add((ip, int(port)))
             for k in keys_to_remove:
                 del self.connection_pool[k]
             self.prefill_info_table.pop(failed_bootstrap_addr, None)
@@ -2599,6 +2729,45 @@ class CommonKVManager(BaseKVManager):
         logger.error(
             f"Lost connection with prefill instance (bootstrap_addr: {failed_bootstrap_addr}), "
             f"{len(affected_rooms)} requests affected"
+        )
+        self._orphaned_rooms.add_endpoints(failed_bootstrap_addr, rank_endpoints)
+        self.remember_orphaned_rooms(failed_bootstrap_addr, affected_rooms)
+
+    def remember_orphaned_rooms(self, bootstrap_addr: str, rooms: List[int]) -> None:
+        """Decode side: ``rooms`` failed because the prefill at
+        ``bootstrap_addr`` was unreachable. Tell it once it answers again."""
+        if rooms and not self._orphaned_rooms.add(bootstrap_addr, rooms):
+            logger.warning(
+                f"Cannot tell prefill {bootstrap_addr} to drop {len(rooms)} "
+                f"request(s) this decode failed: it never learned that prefill's "
+                f"rank endpoints. If it comes back, it holds them until "
+                f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT."
+            )
+
+    def _abort_orphaned_rooms(self, bootstrap_addr: str) -> None:
+        """Heartbeat thread: ``bootstrap_addr`` answered. Send the ABORT of
+        the rooms this decode failed while it was unreachable (0.5.23's wire
+        format), so that it fails them instead of waiting for this decode."""
+        endpoints, rooms = self._orphaned_rooms.take(bootstrap_addr)
+        if not rooms:
+            return
+        sender = CommonKVReceiver.start_push_sender()
+        for ip, port in endpoints:
+            for room in rooms:
+                sender.post(
+                    {"rank_ip": ip, "rank_port": port},
+                    AbortNotification(
+                        room=room,
+                        decode_ip=self.local_ip,
+                        decode_port=self.rank_port,
+                        # No decode waits for its ACK: generation 0 matches none.
+                        generation=0,
+                        reason=ORPHANED_ROOM_ABORT_REASON,
+                    ).to_zmq(),
+                )
+        logger.info(
+            f"Prefill {bootstrap_addr} answers again: asked it to drop "
+            f"{len(rooms)} request(s) this decode failed while it was unreachable."
         )
 
 

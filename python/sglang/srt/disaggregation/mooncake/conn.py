@@ -2894,6 +2894,7 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         room = notification.room
         status = self.request_status.get(room)
         room_active = status is not None and status != KVPoll.Success
+        self.note_abort_notification(notification, room_active)
 
         if self.enable_deferred_decode_kv_release:
             self._handle_deferred_abort_notification(notification, room_active)

@@ -940,7 +940,10 @@ class MoriKVManager(CommonKVManager):
             current = self.request_status.get(bootstrap_room)
             room_active = current is not None and current != KVPoll.Success
             if room_active and current != KVPoll.Failed:
+                self.note_abort_notification(notification, room_active)
                 self.update_status(bootstrap_room, KVPoll.Failed)
+            elif not room_active:
+                self.note_abort_notification(notification, room_active)
 
         if room_active:
             logger.debug("Room %s marked Failed via ABORT from decode", bootstrap_room)

@@ -3329,6 +3329,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                 f"Received abort notification for room {room_to_be_aborted}, "
                 f"ignoring (already completed or unknown)"
             )
+        self.note_abort_notification(notification, room_active)
 
         self._handle_deferred_abort_ack(notification)
         return True
