@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -74,6 +75,12 @@ logger = logging.getLogger(__name__)
 
 # Arbitrary; bounds how often an unreachable peer's dlists are rebuilt.
 _PEER_RELOAD_MIN_INTERVAL_S = 1.0
+
+# Sleep of NIXL's progress thread between polls when the KV pool is in host
+# memory. nixl's Python API sets 0: a busy poll that takes a whole CPU core per
+# process, on a CPU-only server a core the model needs. With 100 us the thread
+# uses a few percent of a core.
+NIXL_HOST_PROGRESS_THREAD_DELAY_US = 100
 
 GUARD = "NixlMsgGuard".encode("ascii")
 KV_MEM_KINDS = {"VRAM", "DRAM"}
@@ -232,6 +239,48 @@ def _local_kv_mem_kind() -> str:
     """Memory kind of this process's KV pool, which lives on the model's device:
     host memory (--device cpu) must be registered as DRAM, UCX refuses VRAM."""
     return "DRAM" if str(get_device().device).split(":", 1)[0] == "cpu" else "VRAM"
+
+
+def _create_nixl_agent(nixl_agent, name: str, config):
+    """``nixl_agent(name, config)``; with a host KV pool, the progress thread
+    sleeps NIXL_HOST_PROGRESS_THREAD_DELAY_US between polls.
+
+    nixl_agent_config has no field for the delay and nixl_agent.__init__ hands
+    the bindings a config with pthrDelay = 0, so the bindings' agent constructor
+    is wrapped for the duration of this call only.
+    """
+    if _local_kv_mem_kind() != "DRAM":
+        return nixl_agent(name, config)
+    bind = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    bind_agent = getattr(bind, "nixlAgent", None)
+    if bind_agent is None:
+        logger.warning(
+            "%s has no nixlBind.nixlAgent (another nixl version?); cannot set the "
+            "NIXL progress thread delay, so it busy-polls one CPU core.",
+            nixl_agent.__module__,
+        )
+        return nixl_agent(name, config)
+
+    def with_delay(agent_name, agent_config):
+        try:
+            agent_config.pthrDelay = NIXL_HOST_PROGRESS_THREAD_DELAY_US
+        except AttributeError:
+            logger.warning(
+                "NIXL agent config has no pthrDelay (another nixl version?); the "
+                "NIXL progress thread busy-polls one CPU core."
+            )
+        else:
+            logger.info(
+                "NIXL progress thread delay: %d us (KV pool in host memory)",
+                NIXL_HOST_PROGRESS_THREAD_DELAY_US,
+            )
+        return bind_agent(agent_name, agent_config)
+
+    bind.nixlAgent = with_delay
+    try:
+        return nixl_agent(name, config)
+    finally:
+        bind.nixlAgent = bind_agent
 
 
 def _nixl_device_id(mem_kind: str, gpu_id: int) -> int:
@@ -608,7 +657,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             num_threads=num_threads,
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self.agent = nixl_agent(str(uuid.uuid4()), agent_config)
+        self.agent = _create_nixl_agent(nixl_agent, str(uuid.uuid4()), agent_config)
         if num_threads > 0:
             # TODO: Remove this once NIXL passes thread parameters from
             # nixl_agent_config to explicitly-created backends.
