@@ -7,6 +7,15 @@ with a tiny randomly initialised GPT-2 built locally (``tools/tiny_model.py``).
 Then a steady trickle of requests goes through the router while prefill 2 is
 frozen (SIGSTOP of the process that hosts its bootstrap server) and resumed.
 
+The trickle's rate is calibrated to the machine first, so that the run starts
+from a healthy baseline: with both prefills healthy, 8 clients each send the
+demo's request again as soon as the last one is answered, for 20 s; the
+requests answered per second after a 4 s ramp are what this machine serves.
+The run then sends half of that, rounded down to 0.25 req/s and kept within
+[0.5, 2.0] req/s (2.0 is the rate of the earlier results; below 0.5 the
+phases hold too few requests). ``--rate R`` skips the calibration. Each run
+calibrates on its own; ``dev.py demo --rate R`` gives both variants rate R.
+
 One variant per run: sglang is whatever ``import sglang`` finds, so put the
 variant's copy first on PYTHONPATH (it is inherited by the scheduler processes
 sglang spawns). The label comes from ``SGLANG_PD_VARIANT`` or, failing that, from
@@ -16,9 +25,10 @@ comparing the five patched files with this checkout.
     PYTHONPATH=/tmp/sg-patched:$REPO python tools/demo_pd.py --out out/patched
     python tools/demo_report.py out/stock out/patched --out out
 
-Writes ``result.json`` and every process's log into ``--out``. Every process it
-starts is stopped (by process group id, then by pid) on success, failure and
-Ctrl-C; a frozen process is resumed first.
+Writes ``result.json`` (with the calibration and the chosen rate) and every
+process's log into ``--out``. Every process it starts is stopped (by process
+group id, then by pid) on success, failure and Ctrl-C; a frozen process is
+resumed first.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import argparse
 import atexit
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -58,6 +69,17 @@ WORDS = (
     "quick brown fox jumps over lazy dog key value caches move from prefill "
     "to decode"
 ).split()
+
+
+# Load calibration (see the module docstring).
+CALIBRATION_CLIENTS = 8  # the decode holds ~7 requests (4096 tokens / 512 reserved)
+CALIBRATION_SECONDS = 20.0
+CALIBRATION_RAMP_S = 4.0  # completions before this are not counted
+CALIBRATION_DRAIN_S = 15.0  # then wait at most this long for the last answers
+RATE_SHARE = 0.5  # of the measured capacity
+RATE_STEP = 0.25
+RATE_FLOOR = 0.5
+RATE_CAP = 2.0
 
 
 def log(msg: str) -> None:
@@ -411,10 +433,26 @@ class MemorySampler(threading.Thread):
         self.peak_by_name: Dict[str, int] = {}
         self.min_available = psutil.virtual_memory().available
         self._n = 0
+        # CPU: pid -> CPU seconds when last seen (this process included), and
+        # (monotonic time, busy CPU seconds of the machine, of this run).
+        self.cpu_by_pid: Dict[int, float] = {}
+        self.cpu_samples: List[tuple] = []
 
     def sample(self, pss: bool = False) -> None:
         total = 0
         pss_total = 0
+        for p in [psutil.Process()] + [
+            p for name in list(self.procs.procs) for p in self.procs.tree(name)
+        ]:
+            try:
+                t = p.cpu_times()
+                self.cpu_by_pid[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        t = psutil.cpu_times()
+        busy = t.user + t.nice + t.system
+        busy += sum(getattr(t, k, 0.0) for k in ("irq", "softirq", "steal"))
+        self.cpu_samples.append((time.monotonic(), busy, sum(self.cpu_by_pid.values())))
         # RSS counts pages shared between processes (torch, CUDA libraries)
         # once per process; PSS splits them. PSS reads smaps: every 5th sample.
         pss = pss or self._n % 5 == 0
@@ -441,6 +479,21 @@ class MemorySampler(threading.Thread):
         while not self.stop_event.is_set():
             self.sample()
             self.stop_event.wait(self.interval)
+
+    def cpu_use(self, start: float, end: float) -> Optional[dict]:
+        """CPU cores in use on average in [start, end] (monotonic): the whole
+        machine, this run's processes, and everything else (other users)."""
+        inside = [x for x in self.cpu_samples if start - 0.5 <= x[0] <= end + 1.5]
+        if len(inside) < 2:
+            return None
+        (t1, busy1, ours1), (t2, busy2, ours2) = inside[0], inside[-1]
+        wall = t2 - t1
+        return {
+            "seconds": wall,
+            "machine_cores": (busy2 - busy1) / wall,
+            "demo_cores": (ours2 - ours1) / wall,
+            "other_cores": max(0.0, (busy2 - busy1) - (ours2 - ours1)) / wall,
+        }
 
 
 def decode_request_log(log_dir: Path, t0_wall: float):
@@ -491,6 +544,99 @@ def decode_request_log(log_dir: Path, t0_wall: float):
     return ports, verdicts, received
 
 
+def _quantile(values: List[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    values = sorted(values)
+    pos = q * (len(values) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def calibrate(url: str, prefix: str, seconds: float) -> dict:
+    """Closed loop through the router, both prefills healthy: CALIBRATION_CLIENTS
+    clients, each sends the demo's request again as soon as its last one is
+    answered. Capacity = requests answered per second after the ramp."""
+    reqs = RequestLog()
+    t0 = time.monotonic()
+    stop_at = t0 + seconds
+    counter = iter(range(1_000_000))
+    counter_lock = threading.Lock()
+
+    def client():
+        while time.monotonic() < stop_at:
+            with counter_lock:
+                i = next(counter)
+            one_request(url, f"{prefix}-{i:04d}", t0, 30, reqs, 20_000 + i)
+
+    threads = [
+        threading.Thread(target=client, daemon=True) for _ in range(CALIBRATION_CLIENTS)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(0.0, stop_at + CALIBRATION_DRAIN_S - time.monotonic()))
+    open_clients = sum(t.is_alive() for t in threads)
+    with reqs.lock:
+        rows = sorted(reqs.rows, key=lambda r: r["t_send"])
+    window = (CALIBRATION_RAMP_S, seconds)
+    counted = [
+        r for r in rows if r["outcome"] == "ok" and window[0] <= r["t_end"] < window[1]
+    ]
+    lat = [r["latency"] for r in counted]
+    return {
+        "clients": CALIBRATION_CLIENTS,
+        "seconds": seconds,
+        "window": list(window),
+        "sent": len(rows) + open_clients,
+        "answered_ok": sum(1 for r in rows if r["outcome"] == "ok"),
+        "not_ok": [r for r in rows if r["outcome"] != "ok"],
+        "open_at_end": open_clients,
+        "ended_s": time.monotonic() - t0,
+        "counted": len(counted),
+        "capacity_rps": len(counted) / (window[1] - window[0]),
+        "latency_p50": _quantile(lat, 0.5),
+        "latency_p90": _quantile(lat, 0.9),
+        "latency_max": max(lat, default=None),
+        "requests": rows,
+        "t0_monotonic": t0,
+    }
+
+
+def _fmt_s(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def choose_rate(capacity: float) -> dict:
+    """RATE_SHARE of the capacity, rounded down to RATE_STEP, within
+    [RATE_FLOOR, RATE_CAP]; with the reason in words."""
+    share = RATE_SHARE * capacity
+    rate = min(RATE_CAP, max(RATE_FLOOR, math.floor(share / RATE_STEP) * RATE_STEP))
+    why = (
+        f"{RATE_SHARE:g} x the measured {capacity:.2f} req/s = {share:.2f} req/s, "
+        f"rounded down to a multiple of {RATE_STEP:g}"
+    )
+    if share >= RATE_CAP:
+        why += f", capped at {RATE_CAP:g} (the rate of the earlier demo results)"
+    elif share < RATE_FLOOR:
+        why += (
+            f", raised to the floor {RATE_FLOOR:g} (fewer requests would leave the "
+            "phases nearly empty)"
+        )
+    if rate >= capacity:
+        why += "; THIS MACHINE CANNOT SUSTAIN IT, the healthy phase will queue"
+    return {
+        "source": "calibration",
+        "rate": rate,
+        "capacity_rps": capacity,
+        "share": RATE_SHARE,
+        "step": RATE_STEP,
+        "floor": RATE_FLOOR,
+        "cap": RATE_CAP,
+        "why": why,
+    }
+
+
 # --------------------------------------------------------------------------
 # main
 
@@ -500,7 +646,18 @@ def parse_args(argv=None):
     ap.add_argument("--backend", choices=("mooncake", "nixl"), default="mooncake")
     ap.add_argument("--out", type=Path, required=True, help="output directory")
     ap.add_argument("--freeze-seconds", type=float, default=60.0)
-    ap.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="requests per second (default: calibrated to this machine)",
+    )
+    ap.add_argument(
+        "--calibrate-seconds",
+        type=float,
+        default=CALIBRATION_SECONDS,
+        help="length of the load calibration (ignored with --rate)",
+    )
     ap.add_argument(
         "--quick", action="store_true", help="short phases (10 s / 30 s / 10 s)"
     )
@@ -608,6 +765,49 @@ def run(args, procs: Processes) -> dict:
         f"(the launch_server process is pid {procs.procs['prefill2'].pid})"
     )
 
+    # The load: what this machine serves with both prefills healthy.
+    calibration = None
+    if args.rate is not None:
+        rate = args.rate
+        rate_choice = {"source": "--rate", "rate": rate, "why": "given with --rate"}
+        log(f"rate {rate:g} req/s (given with --rate; no calibration)")
+    else:
+        log(
+            f"calibrating the load: {CALIBRATION_CLIENTS} clients back to back "
+            f"through the router for {args.calibrate_seconds:.0f} s, both "
+            "prefills healthy"
+        )
+        calibration = calibrate(
+            router_url,
+            f"calib-{variant['label']}-{args.backend}",
+            args.calibrate_seconds,
+        )
+        c = calibration
+        t_cal = c.pop("t0_monotonic")
+        c["cpu"] = mem.cpu_use(t_cal + c["window"][0], t_cal + c["window"][1])
+        log(
+            f"calibration: {c['counted']} answered in t={c['window'][0]:.0f}-"
+            f"{c['window'][1]:.0f} s = {c['capacity_rps']:.2f} req/s, latency p50 "
+            f"{_fmt_s(c['latency_p50'])} / p90 {_fmt_s(c['latency_p90'])} s; "
+            f"{len(c['not_ok'])} not ok, {c['open_at_end']} still open after "
+            f"{c['ended_s']:.0f} s"
+        )
+        if c["cpu"]:
+            log(
+                f"calibration: CPU cores in use {c['cpu']['machine_cores']:.2f} of "
+                f"{os.cpu_count()}, {c['cpu']['other_cores']:.2f} of them by "
+                "processes outside this demo"
+            )
+        if c["answered_ok"] == 0 or len(c["not_ok"]) > c["answered_ok"]:
+            raise RuntimeError(
+                f"calibration failed: {c['answered_ok']} ok, {len(c['not_ok'])} not "
+                f"ok: {[r.get('error') for r in c['not_ok'][:3]]}"
+            )
+        rate_choice = choose_rate(c["capacity_rps"])
+        rate = rate_choice["rate"]
+        log(f"rate {rate:g} req/s: {rate_choice['why']}")
+        time.sleep(2.0)  # let the servers settle before the measured run
+
     # The run: a trickle of requests; prefill2 frozen in [before, before+freeze).
     reqs = RequestLog()
     health: List[dict] = []
@@ -622,14 +822,14 @@ def run(args, procs: Processes) -> dict:
     hp.start()
     pool = ThreadPoolExecutor(max_workers=512)
     total = before + freeze + after
-    interval = 1.0 / args.rate
+    interval = 1.0 / rate
     client_timeout = total + drain_cap + 5.0
     n = 0
     freeze_at = before
     thaw_at = before + freeze
     window: List[Optional[float]] = [None, None]
     log(
-        f"sending {args.rate:g} req/s for {total:.0f} s; prefill2 frozen from "
+        f"sending {rate:g} req/s for {total:.0f} s; prefill2 frozen from "
         f"t={freeze_at:.0f} s to t={thaw_at:.0f} s"
     )
     next_progress = 10.0
@@ -707,11 +907,20 @@ def run(args, procs: Processes) -> dict:
     rows.sort(key=lambda r: r["t_send"])
     mem.sample(pss=True)
     mem.stop_event.set()
+    bounds = {
+        "before": (0.0, window[0]),
+        "during": (window[0], window[1]),
+        "after": (window[1], total),
+    }
+    cpu = {ph: mem.cpu_use(t0 + a, t0 + b) for ph, (a, b) in bounds.items()}
 
     return {
         "variant": variant,
         "backend": args.backend,
-        "rate": args.rate,
+        "rate": rate,
+        "rate_choice": rate_choice,
+        "calibration": calibration,
+        "cpu_cores": cpu,
         "phases": {"before": before, "freeze": freeze, "after": after},
         "freeze_window": window,
         "t_cut": t_cut,

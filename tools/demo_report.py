@@ -3,7 +3,10 @@
     python tools/demo_report.py OUT/stock OUT/patched --out OUT
 
 Each positional argument is a ``result.json`` or a directory holding one. Writes
-``report.md`` and ``latency.png`` into ``--out`` and prints the markdown.
+``report.md`` and ``latency.png`` into ``--out`` and prints the markdown. The
+report starts with each run's rate and how it was chosen (the calibration's
+measured capacity, or ``--rate``) and the CPU that other processes on the
+machine used meanwhile.
 """
 
 from __future__ import annotations
@@ -127,9 +130,51 @@ def label(result: dict) -> str:
     return f"{result['variant']['label']} ({result['backend']})"
 
 
+def load_table(results: List[dict]) -> List[str]:
+    """The rate each run sent, how it was chosen (tools/demo_pd.py calibrates
+    it unless it was given with --rate), and how busy the machine was."""
+    out = [
+        "Load: requests per second sent through the router and how the rate was "
+        "chosen (calibration: clients back to back through the router, both "
+        "prefills healthy, before the run); CPU cores used by processes outside "
+        "the demo on this machine, during the calibration and before the freeze\n",
+        "| variant | rate (req/s) | calibration: served (req/s) | calibration "
+        "latency p50 / p90 (s) | other processes' CPU (cores) | how the rate was "
+        "chosen |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        choice = r.get("rate_choice") or {"why": "fixed (before calibration existed)"}
+        c = r.get("calibration")
+        served = lat = "-"
+        if c:
+            served = (
+                f"{c['capacity_rps']:.2f} ({c['counted']} in "
+                f"{c['window'][1] - c['window'][0]:.0f} s, {c['clients']} clients)"
+            )
+            lat = f"{_fmt(c['latency_p50'])} / {_fmt(c['latency_p90'])}"
+        other = [
+            (c or {}).get("cpu"),
+            (r.get("cpu_cores") or {}).get("before"),
+        ]
+        other = " / ".join(_fmt(x and x["other_cores"]) for x in other)
+        out.append(
+            f"| {label(r)} | {r['rate']:g} | {served} | {lat} | {other} "
+            f"| {choice['why']} |"
+        )
+    if len({r["rate"] for r in results}) > 1:
+        out.append("")
+        out.append(
+            "The variants ran at different rates (each calibrates on its own); "
+            "`dev.py demo --rate R` runs both at R."
+        )
+    out.append("")
+    return out
+
+
 def tables(results: List[dict]) -> str:
     sums = [summarize(r) for r in results]
-    out = []
+    out = load_table(results)
     out.append(
         "Healthy prefill (prefill1): latency of successful requests, seconds, "
         "by send time (p50 / p90 / max, n)\n"
@@ -245,6 +290,9 @@ def summarize_text(result: dict) -> str:
         f"{label(result)}: prefill2 frozen t={window[0]:.1f}-{window[1]:.1f} s, "
         f"{len(result['requests'])} requests at {result['rate']:g}/s"
     )
+    choice = result.get("rate_choice")
+    if choice:
+        head += f" ({choice['why']})"
     return head + "\n\n" + tables([result])
 
 
@@ -319,7 +367,9 @@ def plot(results: List[dict], path: Path) -> None:
                     [x["t_send"] for x in xs], ys, label=names[pf] + what[key], **kw
                 )
         ax.set_yscale("log")
-        ax.set_title(f"{label(r)}: request latency through the router")
+        ax.set_title(
+            f"{label(r)}, {r['rate']:g} req/s: request latency through the router"
+        )
         ax.set_ylabel("latency (s), by send time")
         ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
         h = r["decode_health"]
