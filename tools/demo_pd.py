@@ -13,8 +13,10 @@ demo's request again as soon as the last one is answered, for 20 s; the
 requests answered per second after a 4 s ramp are what this machine serves.
 The run then sends half of that, rounded down to 0.25 req/s and kept within
 [0.5, 2.0] req/s (2.0 is the rate of the earlier results; below 0.5 the
-phases hold too few requests). ``--rate R`` skips the calibration. Each run
-calibrates on its own; ``dev.py demo --rate R`` gives both variants rate R.
+phases hold too few requests). ``--rate R`` skips the calibration;
+``--rate-from OTHER_OUT`` calibrates (so both runs go through the same steps)
+but sends the rate the other run chose: ``dev.py demo`` gives the patched run
+the stock run's rate.
 
 One variant per run: sglang is whatever ``import sglang`` finds, so put the
 variant's copy first on PYTHONPATH (it is inherited by the scheduler processes
@@ -22,7 +24,8 @@ sglang spawns). The label comes from ``SGLANG_PD_VARIANT`` or, failing that, fro
 comparing the five patched files with this checkout.
 
     PYTHONPATH=/tmp/sg-stock:$REPO python tools/demo_pd.py --out out/stock
-    PYTHONPATH=/tmp/sg-patched:$REPO python tools/demo_pd.py --out out/patched
+    PYTHONPATH=/tmp/sg-patched:$REPO python tools/demo_pd.py --out out/patched \
+        --rate-from out/stock
     python tools/demo_report.py out/stock out/patched --out out
 
 Writes ``result.json`` (with the calibration and the chosen rate) and every
@@ -603,6 +606,18 @@ def calibrate(url: str, prefix: str, seconds: float) -> dict:
     }
 
 
+def _other_run(path: Path) -> Optional[dict]:
+    """The result.json of another run, for its rate; None (logged) if absent."""
+    path = path / "result.json" if path.is_dir() else path
+    try:
+        other = json.loads(path.read_text())
+        float(other["rate"]), other["variant"]["label"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log(f"--rate-from {path}: no rate there ({e!r}); using this run's own")
+        return None
+    return other
+
+
 def _fmt_s(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -657,6 +672,13 @@ def parse_args(argv=None):
         type=float,
         default=CALIBRATION_SECONDS,
         help="length of the load calibration (ignored with --rate)",
+    )
+    ap.add_argument(
+        "--rate-from",
+        type=Path,
+        default=None,
+        help="send the rate another run chose (its result.json or out dir); "
+        "this run still calibrates, to start from the same state, and reports it",
     )
     ap.add_argument(
         "--quick", action="store_true", help="short phases (10 s / 30 s / 10 s)"
@@ -804,6 +826,20 @@ def run(args, procs: Processes) -> dict:
                 f"ok: {[r.get('error') for r in c['not_ok'][:3]]}"
             )
         rate_choice = choose_rate(c["capacity_rps"])
+        other = _other_run(args.rate_from) if args.rate_from else None
+        if other is not None:
+            theirs = (other.get("calibration") or {}).get("capacity_rps")
+            theirs = "--rate" if theirs is None else f"it measured {theirs:.2f} req/s"
+            label = other["variant"]["label"]
+            rate_choice = {
+                "source": "rate-from",
+                "rate": other["rate"],
+                "from": str(args.rate_from),
+                "from_label": label,
+                "own": rate_choice,
+                "why": f"the {label} run's rate ({theirs}); this run alone would "
+                f"send {rate_choice['rate']:g}",
+            }
         rate = rate_choice["rate"]
         log(f"rate {rate:g} req/s: {rate_choice['why']}")
         time.sleep(2.0)  # let the servers settle before the measured run

@@ -165,8 +165,8 @@ def load_table(results: List[dict]) -> List[str]:
     if len({r["rate"] for r in results}) > 1:
         out.append("")
         out.append(
-            "The variants ran at different rates (each calibrates on its own); "
-            "`dev.py demo --rate R` runs both at R."
+            "The runs sent different rates (each chose its own; `dev.py demo` "
+            "gives the patched run the stock run's rate, `--rate R` runs both at R)."
         )
     out.append("")
     return out
