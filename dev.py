@@ -9,6 +9,8 @@
     python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
         The main job: two prefill servers, one decode and the PD router on this
         machine, one prefill frozen mid-run; stock, then patched (tools/demo_pd.py).
+        Each run calibrates the load first; patched sends the rate stock chose.
+        Other arguments (e.g. --rate R) go to tools/demo_pd.py.
     python3 dev.py bench [--quick]
         The scheduler stall benchmark on real PD over loopback, stock and patched.
     python3 dev.py faults [--backend nixl] [--faults NAMES]
@@ -552,10 +554,13 @@ def cmd_demo(argv: list[str]) -> int:
     out = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     common = ["--backend", args.backend, *(["--quick"] if args.quick else []), *rest]
+    variant_args = {v: ["--out", str(out / v)] for v in VARIANTS}
+    # Stock runs first; patched sends the rate stock's calibration chose.
+    variant_args["patched"] += ["--rate-from", str(out / "stock")]
     if not _run_both(
         "demo_pd.py",
         common,
-        {v: ["--out", str(out / v)] for v in VARIANTS},
+        variant_args,
         stock_files=cpu_enabled_stock_files(cache_dir()),
     ):
         log(f"logs are in {out}")
