@@ -172,9 +172,80 @@ def load_table(results: List[dict]) -> List[str]:
     return out
 
 
+# What the demo is run to show (README, issues 13, 14 and 16).
+HEALTH_MAX_S = 2.5  # decode /health during the freeze (a stall was ~8 s)
+P90_RATIO_MAX = 1.5  # healthy p90 during the freeze / before it
+P50_BEFORE_MAX_S = 2.0  # a healthy baseline before the freeze
+ANSWERED_AFTER_RESUME_S = 15.0  # every request to the frozen prefill answered
+
+
+def goals(result: dict, s: dict) -> List[tuple]:
+    """(goal, value, met) of one run."""
+    window = result["freeze_window"]
+    before, during = s["healthy"]["before"], s["healthy"]["during"]
+    ratio = (
+        during["p90"] / before["p90"]
+        if during["p90"] is not None and before["p90"]
+        else None
+    )
+    open_at_end = sum(1 for r in result["requests"] if r["outcome"] == "open")
+    frozen = [
+        r
+        for r in result["requests"]
+        if r.get("prefill") == result["frozen"]["server"] and r["t_send"] < window[1]
+    ]
+    due = window[1] + ANSWERED_AFTER_RESUME_S
+    late = sum(1 for r in frozen if r["t_end"] is None or r["t_end"] > due)
+    health = s["health"]["max"]
+    return [
+        (
+            f"healthy p50 before the freeze < {P50_BEFORE_MAX_S:g} s",
+            _fmt(before["p50"]),
+            before["p50"] is not None and before["p50"] < P50_BEFORE_MAX_S,
+        ),
+        (
+            f"decode /health max during the freeze < {HEALTH_MAX_S:g} s",
+            _fmt(health, 3),
+            health is not None and health < HEALTH_MAX_S,
+        ),
+        (
+            f"healthy p90 during / before the freeze <= {P90_RATIO_MAX:g}",
+            _fmt(ratio),
+            ratio is not None and ratio <= P90_RATIO_MAX,
+        ),
+        (
+            "requests to the frozen prefill without an answer "
+            f"{ANSWERED_AFTER_RESUME_S:g} s after the resume",
+            f"{late} of {len(frozen)}",
+            late == 0,
+        ),
+        ("client requests still open when the demo stopped", str(open_at_end), None),
+    ]
+
+
+def goals_table(results: List[dict], sums: List[dict]) -> List[str]:
+    rows = {label(r): goals(r, s) for r, s in zip(results, sums)}
+    names = [g for g, _, _ in next(iter(rows.values()))]
+    out = [
+        "Goals (met / not met, per variant)\n",
+        "| goal | " + " | ".join(rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
+    for i, name in enumerate(names):
+        cells = []
+        for run in rows.values():
+            _, value, met = run[i]
+            cells.append(
+                value + ("" if met is None else (" met" if met else " **not met**"))
+            )
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
 def tables(results: List[dict]) -> str:
     sums = [summarize(r) for r in results]
-    out = load_table(results)
+    out = goals_table(results, sums) + load_table(results)
     out.append(
         "Healthy prefill (prefill1): latency of successful requests, seconds, "
         "by send time (p50 / p90 / max, n)\n"
