@@ -16,6 +16,10 @@
     python3 dev.py faults [--backend nixl] [--faults NAMES]
         The fault matrix on real PD over loopback, stock and patched, and its
         reliability report (test/pd_loopback/fault_matrix.py, tools/fault_report.py).
+    python3 dev.py series edit DIR | series save DIR
+        The patch series in patches/ as a git repository at DIR: sglang 0.5.23
+        plus one commit per patch (edit), and back (save: patches/ from its
+        commits, python/ and the unit tests from its tree).
 
 The env is a venv at ``$SGLANG_PD_PATCH_CACHE/venv`` (default
 ``~/.cache/sglang-pd-patch``), shared by every clone on the machine. It holds the
@@ -612,8 +616,96 @@ USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
 
+SERIES_GIT = [
+    "-c",
+    "user.name=sglang-pd-patch",
+    "-c",
+    "user.email=sglang-pd-patch@localhost",
+]
+SERIES_DATE = {
+    "GIT_AUTHOR_DATE": "2026-11-30T00:00:00+0000",
+    "GIT_COMMITTER_DATE": "2026-11-30T00:00:00+0000",
+}
+
+
+def cmd_series(argv: list[str]) -> int:
+    """``series edit DIR``: DIR becomes a git repository holding sglang 0.5.23's
+    disaggregation files, then one commit per patch of patches/ (git am), to
+    amend with git (commit --fixup, rebase -i). ``series save DIR``: patches/
+    from DIR's commits (format-patch), and python/ plus the unit tests from
+    DIR's tree; ``python3 dev.py test`` then checks every prefix."""
+    if len(argv) != 2 or argv[0] not in ("edit", "save"):
+        print(
+            "usage: python3 dev.py series edit DIR | series save DIR", file=sys.stderr
+        )
+        return 2
+    sys.path.insert(0, str(REPO))
+    from sglang_pd_patch import core, series
+
+    action, work = argv[0], Path(argv[1]).resolve()
+    env = dict(os.environ, **SERIES_DATE)
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *SERIES_GIT, *args], cwd=work, env=env, check=True)
+
+    patches = series.read_series(REPO)
+    if action == "edit":
+        if work.exists() and any(work.iterdir()):
+            raise SystemExit(f"[dev] {work} is not empty")
+        work.mkdir(parents=True, exist_ok=True)
+        git("init", "-q", ".")
+        series.write_base(work, REPO)
+        (work / core.REPO_TEST_SUBDIR / ".keep").write_text("")
+        git("add", "-A")
+        git("commit", "-q", "-m", "sglang v0.5.23 disaggregation files")
+        git(
+            "am",
+            "-q",
+            "--keep-non-patch",
+            "--committer-date-is-author-date",
+            *map(str, patches),
+        )
+        log(
+            f"{work}: sglang 0.5.23 + {len(patches)} commits; edit them, then "
+            f"python3 dev.py series save {work}"
+        )
+        return 0
+    out = series.series_dir(REPO)
+    roots = subprocess.run(
+        ["git", "rev-list", "--max-parents=0", "HEAD"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for old in out.glob("*.patch"):
+        old.unlink()
+    git(
+        "format-patch",
+        "-q",
+        "--zero-commit",
+        "--no-signature",
+        "--full-index",
+        "-o",
+        str(out),
+        f"{roots[0]}..HEAD",
+    )
+    names = sorted(p.name for p in out.glob("*.patch"))
+    (out / "series").write_text("".join(f"{n}\n" for n in names))
+    for sub in (core.REPO_DISAGG_SUBDIR, core.REPO_TEST_SUBDIR):
+        for rel, path in series._files(work).items():
+            if rel.startswith(sub) and not rel.endswith(".keep"):
+                dest = REPO / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, dest)
+    log(f"wrote {len(names)} patches to {out} and the files of {work}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["series"]:
+        return cmd_series(argv[1:])
     if argv[:1] == ["test"]:
         return cmd_test(argv[1:])
     if argv[:1] == ["demo"]:

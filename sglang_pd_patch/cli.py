@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import core, export
+from . import core, export, series
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,10 +48,33 @@ def _parser() -> argparse.ArgumentParser:
         help="print the patch as a git diff against sglang v0.5.23",
     )
     exp.add_argument("-o", "--output", metavar="FILE", help="write to FILE, not stdout")
+    exp.add_argument(
+        "--series",
+        metavar="DIR",
+        help="write the patch as an ordered series of git format-patch files, one "
+        "concern each, plus DIR/series (from a clean checkout whose patches/ "
+        "gives its files)",
+    )
     return parser
 
 
+def _export_series(args: argparse.Namespace) -> int:
+    checkout = core.find_checkout()
+    if checkout is None:
+        raise core.PatchError(
+            "export --series needs a checkout of sglang-pd-patch (its patches/ "
+            "directory): run it from one"
+        )
+    patches = series.export_series(Path(args.series), checkout)
+    for patch in patches:
+        print(f"{args.series}/{patch.name}")
+    print(f"{args.series}/series: {len(patches)} patches", file=sys.stderr)
+    return core.EXIT_OK
+
+
 def _export(args: argparse.Namespace) -> int:
+    if args.series:
+        return _export_series(args)
     sglang_dir = None
     if args.sglang_dir is not None:
         sglang_dir = core.find_sglang_dir(args.sglang_dir)

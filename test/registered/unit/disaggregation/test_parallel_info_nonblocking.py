@@ -395,7 +395,7 @@ class TestEnsurePrefillInfo(CustomTestCase):
             queue._ensure_prefill_info({ADDR: reqs})
         reqs[0].kv_receiver.abort.assert_not_called()
 
-    def test_exhausted_budget_aborts_with_the_cause(self):
+    def test_exhausted_budget_aborts_every_request(self):
         kv_manager = make_kv_manager()
         queue = make_spec_queue(kv_manager, max_retries=2)
         reqs = [make_req(), make_req()]
@@ -406,7 +406,20 @@ class TestEnsurePrefillInfo(CustomTestCase):
             queue._ensure_prefill_info({ADDR: reqs})
 
         self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 2)
-        expected = f"Could not fetch prefill parallel info from {ADDR} after 2 attempts"
+        for req in reqs:
+            req.kv_receiver.abort.assert_called_once()
+        self.assertEqual(queue._ensure_retry_count, {})
+        self.assertEqual(queue._ensure_last_attempt_time, {})
+
+    def test_the_abort_records_the_cause(self):
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=1)
+        queue._ensure_retry_count[ADDR] = 1
+        reqs = [make_req(), make_req()]
+
+        queue._ensure_prefill_info({ADDR: reqs})
+
+        expected = f"Could not fetch prefill parallel info from {ADDR} after 1 attempts"
         for req in reqs:
             req.kv_receiver.abort.assert_called_once()
             kv_manager.record_failure.assert_any_call(
@@ -414,8 +427,6 @@ class TestEnsurePrefillInfo(CustomTestCase):
             )
         for call in kv_manager.record_failure.call_args_list:
             self.assertIn(expected, call.args[1])
-        self.assertEqual(queue._ensure_retry_count, {})
-        self.assertEqual(queue._ensure_last_attempt_time, {})
 
     def test_abort_follows_the_last_failed_attempt_not_one_interval_later(self):
         kv_manager = make_kv_manager()
