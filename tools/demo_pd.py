@@ -425,6 +425,18 @@ def health_poller(url, t0, stop: threading.Event, rows: List[dict], interval=0.5
         stop.wait(max(0.0, interval - row["latency"]))
 
 
+def client_ticker(t0, stop: threading.Event, stalls: List[dict], tick=0.05):
+    """Record when this client process itself could not run on time: a
+    /health poll or request sent across such a gap measures the client's
+    stall as much as the server's. A gap is a tick that woke > 0.25 s late."""
+    last = time.monotonic()
+    while not stop.wait(tick):
+        now = time.monotonic()
+        if now - last - tick > 0.25:
+            stalls.append({"t": last - t0, "gap": now - last - tick})
+        last = now
+
+
 class MemorySampler(threading.Thread):
     def __init__(self, procs: Processes, interval=1.0):
         super().__init__(daemon=True)
@@ -856,6 +868,13 @@ def run(args, procs: Processes) -> dict:
         daemon=True,
     )
     hp.start()
+    client_stalls: List[dict] = []
+    ticker = threading.Thread(
+        target=client_ticker,
+        args=(t0, stop_health, client_stalls),
+        daemon=True,
+    )
+    ticker.start()
     pool = ThreadPoolExecutor(max_workers=512)
     total = before + freeze + after
     interval = 1.0 / rate
@@ -976,6 +995,7 @@ def run(args, procs: Processes) -> dict:
         "requests": rows,
         "warmup": warm.rows,
         "decode_health": health,
+        "client_stalls": client_stalls,
         "drain_cap_s": drain_cap,
         "memory": {
             "peak_total_rss_bytes": mem.peak_total,

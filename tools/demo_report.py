@@ -104,16 +104,37 @@ def summarize(result: dict) -> dict:
     s["unattributed"] = sum(1 for r in result["requests"] if r.get("prefill") is None)
     polls = [h for h in result["decode_health"] if phase_of(h["t"], window) == "during"]
     lat = [h["latency"] for h in polls]
+    # Older results have no client stalls recorded: treat them as none.
+    stalls = result.get("client_stalls")
+    own = [client_stall_in(h, stalls or []) for h in polls]
+    worst = max(range(len(polls)), key=lambda i: lat[i]) if polls else None
+    during_stalls = [c["gap"] for c in stalls or [] if phase_of(c["t"], window) == "during"]
     s["health"] = {
         "n": len(polls),
         "p50": quantile(lat, 0.5),
         "max": max(lat) if lat else None,
         "over_1s": sum(1 for x in lat if x > 1.0),
         "failed": sum(1 for h in polls if h.get("status") != 200),
+        "recorded_client_stalls": stalls is not None,
+        "client_stall_in_max": own[worst] if worst is not None else None,
+        "max_less_client_stall": max(
+            (x - o for x, o in zip(lat, own)), default=None
+        ),
+        "client_stalls": len(during_stalls),
+        "client_stall_max": max(during_stalls, default=None),
     }
     all_lat = [h["latency"] for h in result["decode_health"]]
     s["health_all_max"] = max(all_lat) if all_lat else None
     return s
+
+
+def client_stall_in(poll: dict, stalls: List[dict]) -> float:
+    """Seconds of a /health poll during which the demo client itself was
+    stalled (tools/demo_pd.py client_ticker): not the decode server's time."""
+    a, b = poll["t"], poll["t"] + poll["latency"]
+    return sum(
+        max(0.0, min(b, c["t"] + c["gap"]) - max(a, c["t"])) for c in stalls
+    )
 
 
 def _generic(msg: Optional[str]) -> str:
@@ -205,7 +226,7 @@ def goals(result: dict, s: dict) -> List[tuple]:
         ),
         (
             f"decode /health max during the freeze < {HEALTH_MAX_S:g} s",
-            _fmt(health, 3),
+            _fmt(health, 3) + _stall_note(s["health"]),
             health is not None and health < HEALTH_MAX_S,
         ),
         (
@@ -221,6 +242,13 @@ def goals(result: dict, s: dict) -> List[tuple]:
         ),
         ("client requests still open when the demo stopped", str(open_at_end), None),
     ]
+
+
+def _stall_note(h: dict) -> str:
+    own = h.get("client_stall_in_max")
+    if not own or own < 0.05:
+        return ""
+    return f" ({own:.2f} s of it the demo client's own stall)"
 
 
 def goals_table(results: List[dict], sums: List[dict]) -> List[str]:
@@ -312,15 +340,29 @@ def tables(results: List[dict]) -> str:
         "Decode server `GET /health` latency while prefill2 was frozen (the "
         "handler runs a 1-token probe and checks every 1 s, so ~1.0 s is healthy)\n"
     )
-    out.append("| variant | polls | p50 (s) | max (s) | > 1 s | failed/timed out |")
-    out.append("|---|---|---|---|---|---|")
+    out.append(
+        "| variant | polls | p50 (s) | max (s) | > 1 s | failed/timed out "
+        "| demo client stalls > 0.25 s (longest) | max less the client's stall (s) |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|")
     for r, s in zip(results, sums):
         h = s["health"]
+        if h["recorded_client_stalls"]:
+            stalls = f"{h['client_stalls']} ({_fmt(h['client_stall_max'], 2)} s)"
+            less = _fmt(h["max_less_client_stall"], 3)
+        else:
+            stalls = less = "not recorded"
         out.append(
             f"| {label(r)} | {h['n']} | {_fmt(h['p50'], 3)} | {_fmt(h['max'], 3)} "
-            f"| {h['over_1s']} | {h['failed']} |"
+            f"| {h['over_1s']} | {h['failed']} | {stalls} | {less} |"
         )
     out.append("")
+    out.append(
+        "A demo client stall is a gap in which the demo process itself did not "
+        "run (its 50 ms ticker woke more than 0.25 s late): a /health poll that "
+        "spans one measures this machine as much as the decode server. The goal "
+        "above is judged on the raw figure.\n"
+    )
     out.append(
         "| variant | servers healthy (s) | router ready (s) | run (s) "
         "| peak memory, all processes: PSS (RSS sum) GiB | load avg at end |"
