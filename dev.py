@@ -495,16 +495,11 @@ def cpu_enabled_stock_files(cache: Path) -> Path:
     """Pristine 0.5.23 files plus ONLY sglang_pd_patch/cpu_enable.patch: pristine
     0.5.23 cannot run PD on a CPU-only machine, so this is the demo's stock."""
     sys.path.insert(0, str(REPO))
-    from sglang_pd_patch import core, export
+    from sglang_pd_patch import core, series
 
     root = cache / "variants" / "stock-cpu-files"
     shutil.rmtree(root, ignore_errors=True)
-    manifest = core.load_manifest()
-    for rel, sha in manifest.files.items():
-        data, _ = export.pristine_bytes(rel, sha, None, REPO)
-        path = root / core.REPO_DISAGG_SUBDIR / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+    series.write_base(root, REPO)
     if _run(["git", "apply", CPU_ENABLE_PATCH], cwd=root) != 0:
         raise SystemExit(f"[dev] {CPU_ENABLE_PATCH} does not apply to sglang 0.5.23")
     return root / core.REPO_DISAGG_SUBDIR

@@ -62,6 +62,7 @@ sys.path.insert(0, str(REPO))  # sglang_pd_patch, when run by path
 from sglang_pd_patch.core import load_manifest  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
+from demo_report import quantile  # noqa: E402
 from tiny_model import ensure_tiny_gpt2  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -559,15 +560,6 @@ def decode_request_log(log_dir: Path, t0_wall: float):
     return ports, verdicts, received
 
 
-def _quantile(values: List[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    values = sorted(values)
-    pos = q * (len(values) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
 def calibrate(url: str, prefix: str, seconds: float) -> dict:
     """Closed loop through the router, both prefills healthy: CALIBRATION_CLIENTS
     clients, each sends the demo's request again as soon as its last one is
@@ -610,8 +602,8 @@ def calibrate(url: str, prefix: str, seconds: float) -> dict:
         "ended_s": time.monotonic() - t0,
         "counted": len(counted),
         "capacity_rps": len(counted) / (window[1] - window[0]),
-        "latency_p50": _quantile(lat, 0.5),
-        "latency_p90": _quantile(lat, 0.9),
+        "latency_p50": quantile(lat, 0.5),
+        "latency_p90": quantile(lat, 0.9),
         "latency_max": max(lat, default=None),
         "requests": rows,
         "t0_monotonic": t0,
