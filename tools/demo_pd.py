@@ -13,7 +13,9 @@ demo's request again as soon as the last one is answered, for 20 s; the
 requests answered per second after a 4 s ramp are what this machine serves.
 The run then sends half of that, rounded down to 0.25 req/s and kept within
 [0.5, 2.0] req/s (2.0 is the rate of the earlier results; below 0.5 the
-phases hold too few requests). ``--rate R`` skips the calibration;
+phases hold too few requests). A calibration during which this process itself
+was stalled more than 1 s (the machine paused) is run again, at most 3 times in
+all, and the least stalled one is used. ``--rate R`` skips the calibration;
 ``--rate-from OTHER_OUT`` calibrates (so both runs go through the same steps)
 but sends the rate the other run chose: ``dev.py demo`` gives the patched run
 the stock run's rate.
@@ -80,6 +82,8 @@ CALIBRATION_CLIENTS = 8  # the decode holds ~7 requests (4096 tokens / 512 reser
 CALIBRATION_SECONDS = 20.0
 CALIBRATION_RAMP_S = 4.0  # completions before this are not counted
 CALIBRATION_DRAIN_S = 15.0  # then wait at most this long for the last answers
+CALIBRATION_MAX_STALL_S = 1.0  # client stalls in the window that void an attempt
+CALIBRATION_ATTEMPTS = 3
 RATE_SHARE = 0.5  # of the measured capacity
 RATE_STEP = 0.25
 RATE_FLOOR = 0.5
@@ -579,14 +583,26 @@ def calibrate(url: str, prefix: str, seconds: float) -> dict:
     threads = [
         threading.Thread(target=client, daemon=True) for _ in range(CALIBRATION_CLIENTS)
     ]
+    stalls: List[dict] = []
+    stop_ticker = threading.Event()
+    ticker = threading.Thread(
+        target=client_ticker, args=(t0, stop_ticker, stalls), daemon=True
+    )
+    ticker.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=max(0.0, stop_at + CALIBRATION_DRAIN_S - time.monotonic()))
+    stop_ticker.set()
     open_clients = sum(t.is_alive() for t in threads)
     with reqs.lock:
         rows = sorted(reqs.rows, key=lambda r: r["t_send"])
     window = (CALIBRATION_RAMP_S, seconds)
+    # A machine pause in the window is not the servers' capacity.
+    stalled = sum(
+        max(0.0, min(window[1], c["t"] + c["gap"]) - max(window[0], c["t"]))
+        for c in stalls
+    )
     counted = [
         r for r in rows if r["outcome"] == "ok" and window[0] <= r["t_end"] < window[1]
     ]
@@ -605,6 +621,8 @@ def calibrate(url: str, prefix: str, seconds: float) -> dict:
         "latency_p50": quantile(lat, 0.5),
         "latency_p90": quantile(lat, 0.9),
         "latency_max": max(lat, default=None),
+        "client_stalls": stalls,
+        "client_stalled_s": stalled,
         "requests": rows,
         "t0_monotonic": t0,
     }
@@ -803,12 +821,31 @@ def run(args, procs: Processes) -> dict:
             f"through the router for {args.calibrate_seconds:.0f} s, both "
             "prefills healthy"
         )
-        calibration = calibrate(
-            router_url,
-            f"calib-{variant['label']}-{args.backend}",
-            args.calibrate_seconds,
-        )
-        c = calibration
+        attempts = []
+        for attempt in range(CALIBRATION_ATTEMPTS):
+            c = calibrate(
+                router_url,
+                f"calib{attempt}-{variant['label']}-{args.backend}",
+                args.calibrate_seconds,
+            )
+            attempts.append(c)
+            if c["client_stalled_s"] <= CALIBRATION_MAX_STALL_S:
+                break
+            log(
+                f"calibration: this demo process itself was stalled "
+                f"{c['client_stalled_s']:.1f} s of the counted window (the machine "
+                f"paused; it measured {c['capacity_rps']:.2f} req/s), so it does "
+                "not measure the servers"
+                + ("; calibrating again" if attempt + 1 < CALIBRATION_ATTEMPTS else "")
+            )
+        calibration = c = min(attempts, key=lambda a: a["client_stalled_s"])
+        c["attempts"] = [
+            {
+                "capacity_rps": a["capacity_rps"],
+                "client_stalled_s": a["client_stalled_s"],
+            }
+            for a in attempts
+        ]
         t_cal = c.pop("t0_monotonic")
         c["cpu"] = mem.cpu_use(t_cal + c["window"][0], t_cal + c["window"][1])
         log(

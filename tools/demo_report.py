@@ -173,6 +173,11 @@ def load_table(results: List[dict]) -> List[str]:
                 f"{c['capacity_rps']:.2f} ({c['counted']} in "
                 f"{c['window'][1] - c['window'][0]:.0f} s, {c['clients']} clients)"
             )
+            if len(c.get("attempts", [])) > 1:
+                served += "; attempts, req/s (client stalled s): " + ", ".join(
+                    f"{a['capacity_rps']:.2f} ({a['client_stalled_s']:.1f})"
+                    for a in c["attempts"]
+                )
             lat = f"{_fmt(c['latency_p50'])} / {_fmt(c['latency_p90'])}"
         other = [
             (c or {}).get("cpu"),
