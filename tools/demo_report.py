@@ -368,6 +368,15 @@ def tables(results: List[dict]) -> str:
         "spans one measures this machine as much as the decode server. The goal "
         "above is judged on the raw figure.\n"
     )
+    for r in results:
+        long = [c for c in r.get("client_stalls") or [] if c["gap"] > 1.0]
+        if long:
+            out.append(
+                f"- {label(r)}: the demo client stalled over 1 s at "
+                + ", ".join(f"t={c['t']:.1f} s ({c['gap']:.1f} s)" for c in long)
+                + "; every figure that spans these moments includes them."
+            )
+    out.append("")
     out.append(
         "| variant | servers healthy (s) | router ready (s) | run (s) "
         "| peak memory, all processes: PSS (RSS sum) GiB | load avg at end |"
