@@ -64,7 +64,7 @@ sys.path.insert(0, str(REPO))  # sglang_pd_patch, when run by path
 from sglang_pd_patch.core import load_manifest  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
-from demo_report import quantile  # noqa: E402
+from demo_report import quantile, stalled_within  # noqa: E402
 from tiny_model import ensure_tiny_gpt2  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -599,10 +599,7 @@ def calibrate(url: str, prefix: str, seconds: float) -> dict:
         rows = sorted(reqs.rows, key=lambda r: r["t_send"])
     window = (CALIBRATION_RAMP_S, seconds)
     # A machine pause in the window is not the servers' capacity.
-    stalled = sum(
-        max(0.0, min(window[1], c["t"] + c["gap"]) - max(window[0], c["t"]))
-        for c in stalls
-    )
+    stalled = stalled_within(window[0], window[1], stalls)
     counted = [
         r for r in rows if r["outcome"] == "ok" and window[0] <= r["t_end"] < window[1]
     ]

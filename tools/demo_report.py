@@ -108,7 +108,9 @@ def summarize(result: dict) -> dict:
     stalls = result.get("client_stalls")
     own = [client_stall_in(h, stalls or []) for h in polls]
     worst = max(range(len(polls)), key=lambda i: lat[i]) if polls else None
-    during_stalls = [c["gap"] for c in stalls or [] if phase_of(c["t"], window) == "during"]
+    during_stalls = [
+        c["gap"] for c in stalls or [] if phase_of(c["t"], window) == "during"
+    ]
     s["health"] = {
         "n": len(polls),
         "p50": quantile(lat, 0.5),
@@ -117,9 +119,7 @@ def summarize(result: dict) -> dict:
         "failed": sum(1 for h in polls if h.get("status") != 200),
         "recorded_client_stalls": stalls is not None,
         "client_stall_in_max": own[worst] if worst is not None else None,
-        "max_less_client_stall": max(
-            (x - o for x, o in zip(lat, own)), default=None
-        ),
+        "max_less_client_stall": max((x - o for x, o in zip(lat, own)), default=None),
         "client_stalls": len(during_stalls),
         "client_stall_max": max(during_stalls, default=None),
     }
@@ -128,13 +128,18 @@ def summarize(result: dict) -> dict:
     return s
 
 
-def client_stall_in(poll: dict, stalls: List[dict]) -> float:
-    """Seconds of a /health poll during which the demo client itself was
-    stalled (tools/demo_pd.py client_ticker): not the decode server's time."""
-    a, b = poll["t"], poll["t"] + poll["latency"]
+def stalled_within(start: float, end: float, stalls: List[dict]) -> float:
+    """Seconds of [start, end] during which the demo client itself was stalled
+    (tools/demo_pd.py client_ticker)."""
     return sum(
-        max(0.0, min(b, c["t"] + c["gap"]) - max(a, c["t"])) for c in stalls
+        max(0.0, min(end, c["t"] + c["gap"]) - max(start, c["t"])) for c in stalls
     )
+
+
+def client_stall_in(poll: dict, stalls: List[dict]) -> float:
+    """Seconds of a /health poll that were the client's stall, not the decode
+    server's time."""
+    return stalled_within(poll["t"], poll["t"] + poll["latency"], stalls)
 
 
 def _generic(msg: Optional[str]) -> str:
