@@ -203,6 +203,27 @@ class LoopbackCases:
         self.assertTransferred(after)
         self.assertCyclesBounded()
 
+    def test_more_frozen_prefills_than_fetch_workers(self):
+        # More than 0.5.23's default pool of 16 threads, which every prefill
+        # shared: each frozen prefill now holds only threads of its own.
+        holes = [self.cluster.add_blackhole() for _ in range(20)]
+        try:
+            stuck = [self.request(hole.addr) for hole in holes]
+            served = self.request(self.healthy)
+
+            self.run_until(lambda: served.finished, 30)
+            self.assertTransferred(served)
+            self.assertLess(
+                served.t_done - served.t_add,
+                HTTP_TIMEOUT_S,
+                "the healthy prefill's request waited for the frozen ones",
+            )
+            self.assertEqual([r.state for r in stuck], ["pending"] * len(stuck))
+            self.assertCyclesBounded()
+        finally:
+            for hole in holes:
+                hole.close()  # resets their connections: fetches end at once
+
     def test_frozen_after_info_cached(self):
         first = self.request(self.faulty)
         self.run_until(lambda: first.finished, 30)

@@ -393,10 +393,29 @@ def _kv_pool_on_host(pool) -> bool:
     return str(getattr(pool, "device", "")).split(":", 1)[0] == "cpu"
 
 
+class _PendingPrefill:
+    """The pending requests of one prefill, in arrival order, and whether a
+    cycle must look at them again (see DecodePreallocQueue._sync_pending_index)."""
+
+    __slots__ = ("reqs", "fresh", "dp_recheck_at")
+
+    def __init__(self):
+        self.reqs: List[DecodeRequest] = []
+        # Has requests no cycle has looked at yet (or its info just landed).
+        self.fresh = True
+        # When a room not answered by the prefill is due to be asked again.
+        self.dp_recheck_at = 0.0
+
+
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     """
     Store the requests that are preallocating.
     """
+
+    # pending_reqs by prefill as the last cycle saw them, and that list, its
+    # length and last element (see _sync_pending_index).
+    _pending_by_addr: Optional[Dict[str, _PendingPrefill]] = None
+    _pending_seen: Tuple = (None, 0, None)
 
     def __init__(
         self,
@@ -1324,31 +1343,59 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             return
 
         queries = self._prefill_dp_rank_queries
+        pending = self._sync_pending_index()
 
-        addr_to_reqs: Dict[str, List[DecodeRequest]] = {}
-        for decode_req in self.pending_reqs:
-            addr = _bootstrap_addr(decode_req.req)
-            addr_to_reqs.setdefault(addr, []).append(decode_req)
-
-        for bootstrap_addr in set(queries) - set(addr_to_reqs):
+        for bootstrap_addr in [addr for addr in queries if addr not in pending]:
             _, stale_future = queries.pop(bootstrap_addr)
             stale_future.cancel()
 
         now = time.monotonic()
-        for bootstrap_addr, decode_reqs in addr_to_reqs.items():
+        for bootstrap_addr, entry in pending.items():
             if bootstrap_addr in queries:
                 continue
             if self.kv_manager.prefill_info_table.get(bootstrap_addr) is None:
                 continue
+            # Nothing new for this prefill, and no room due again yet.
+            if not entry.fresh and now < entry.dp_recheck_at:
+                continue
 
             due = [
                 decode_req
-                for decode_req in decode_reqs
+                for decode_req in entry.reqs
                 if self._resolve_prefill_dp_rank(decode_req.req) is None
                 and self._dp_rank_query_due(bootstrap_addr, decode_req, now)
             ]
             if due:
                 self._submit_prefill_dp_rank_query(bootstrap_addr, due, now)
+
+    def _sync_pending_index(self) -> Dict[str, _PendingPrefill]:
+        """The pending requests by prefill, kept from cycle to cycle so that a
+        cycle only looks again at what changed. Callers append to and assign
+        ``pending_reqs`` directly: requests appended since the last cycle are
+        added here; any other change to the list rebuilds the index."""
+        pending = self.pending_reqs
+        by_addr = self._pending_by_addr
+        seen, seen_len, seen_last = self._pending_seen
+        if (
+            by_addr is not None
+            and pending is seen
+            and len(pending) >= seen_len
+            and (seen_len == 0 or pending[seen_len - 1] is seen_last)
+        ):
+            new = pending[seen_len:]
+        else:
+            by_addr = self._pending_by_addr = {}
+            new = pending
+            self._drop_idle_ensure_state()
+        for decode_req in new:
+            bootstrap_addr = _bootstrap_addr(decode_req.req)
+            entry = by_addr.get(bootstrap_addr)
+            if entry is None:
+                entry = by_addr[bootstrap_addr] = _PendingPrefill()
+            entry.reqs.append(decode_req)
+            entry.fresh = True
+        self._pending_seen = (pending, len(pending), pending[-1] if pending else None)
+        return by_addr
 
     def _take_prefill_dp_rank_answer(
         self, bootstrap_addr: str
@@ -1367,6 +1414,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 f"Prefill dp-rank query to {bootstrap_addr} has not ended "
                 f"{future.timeout_s} s after it started; asking again."
             )
+            # Its thread and connection come back now, not when the peer ends.
+            future.retire()
         del self._prefill_dp_rank_queries[bootstrap_addr]
         if not future.done():
             return {}, ()
@@ -1387,50 +1436,60 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
         Never waits on the network: parallel info and dp ranks are fetched in
         the background, and a request whose answer has not landed stays
-        pending. receiver.init() does the same for the per-rank routes."""
+        pending. receiver.init() does the same for the per-rank routes. A
+        prefill with nothing new (no request added, no answer landed, no retry
+        due) costs a few lookups, however many requests wait for it."""
         if not self.pending_reqs:
             self._cancel_prefill_dp_rank_queries()
             self._drop_idle_ensure_state()
+            self._pending_by_addr = None
             return
 
-        # Group pending requests by bootstrap_addr
-        addr_to_reqs: Dict[str, List[DecodeRequest]] = {}
-        for decode_req in self.pending_reqs:
-            addr = _bootstrap_addr(decode_req.req)
-            addr_to_reqs.setdefault(addr, []).append(decode_req)
-
-        # Pass 1: ensure parallel info for each addr; a cached one is a dict
-        # lookup, as in add().
-        ready_addrs: Dict[str, List[DecodeRequest]] = {}
-        to_ensure: Dict[str, List[DecodeRequest]] = {}
-        for bootstrap_addr, decode_reqs in addr_to_reqs.items():
-            if bootstrap_addr in self.kv_manager.prefill_info_table:
-                self._clear_ensure_state(bootstrap_addr)
-                ready_addrs[bootstrap_addr] = decode_reqs
-            else:
-                to_ensure[bootstrap_addr] = decode_reqs
-        remaining: List[DecodeRequest] = []
-        if to_ensure:
-            ensured, remaining = self._ensure_prefill_info(to_ensure)
-            ready_addrs.update(ensured)
-
+        pending = self._sync_pending_index()
         resolved: List[Tuple[DecodeRequest, int]] = []
+        gone: List[DecodeRequest] = []
         now = time.monotonic()
-        for bootstrap_addr, decode_reqs in ready_addrs.items():
+        for bootstrap_addr, entry in list(pending.items()):
+            # Pass 1: ensure parallel info; a cached one is a dict lookup, as
+            # in add().
+            if bootstrap_addr in self.kv_manager.prefill_info_table:
+                if entry.fresh:
+                    self._clear_ensure_state(bootstrap_addr)
+            elif not entry.fresh and self.kv_manager.parallel_info_fetch_in_flight(
+                bootstrap_addr
+            ):
+                continue
+            else:
+                ready, waiting = self._ensure_prefill_info({bootstrap_addr: entry.reqs})
+                if bootstrap_addr not in ready:
+                    entry.fresh = False
+                    if not waiting:  # aborted: its retry budget is spent
+                        gone.extend(entry.reqs)
+                        del pending[bootstrap_addr]
+                    continue
+                entry.fresh = True  # its info just landed
+
+            # Pass 2: resolve dp rank for addrs whose info is available
+            if not entry.fresh and not self._prefill_dp_rank_news(
+                bootstrap_addr, entry, now
+            ):
+                continue
+            entry.fresh = False
             need_query: List[DecodeRequest] = []
-            for decode_req in decode_reqs:
+            for decode_req in entry.reqs:
                 prefill_dp_rank = self._resolve_prefill_dp_rank(decode_req.req)
                 if prefill_dp_rank is not None:
                     resolved.append((decode_req, prefill_dp_rank))
                 else:
                     need_query.append(decode_req)
 
-            # Pass 2: resolve dp rank for addrs whose info is available
+            remaining: List[DecodeRequest] = []
             if need_query:
                 room_to_rank, in_flight = self._take_prefill_dp_rank_answer(
                     bootstrap_addr
                 )
                 due: List[DecodeRequest] = []
+                entry.dp_recheck_at = float("inf")
                 for decode_req in need_query:
                     room = decode_req.req.bootstrap_room
                     prefill_dp_rank = room_to_rank.get(str(room))
@@ -1441,26 +1500,55 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                     count = self._ensure_retry_count.get((bootstrap_addr, room), 0)
                     if room not in in_flight and count >= self._max_ensure_retries:
                         self._abort_dp_rank_query(bootstrap_addr, decode_req, count)
+                        gone.append(decode_req)
                         continue
                     # Not answered yet, or not registered on the prefill yet:
                     # ask again once the retry interval has passed.
                     remaining.append(decode_req)
-                    if room not in in_flight and self._dp_rank_query_due(
-                        bootstrap_addr, decode_req, now
-                    ):
+                    if room in in_flight:
+                        continue
+                    if self._dp_rank_query_due(bootstrap_addr, decode_req, now):
                         due.append(decode_req)
+                    else:
+                        entry.dp_recheck_at = min(
+                            entry.dp_recheck_at,
+                            self._ensure_last_attempt_time[(bootstrap_addr, room)]
+                            + self._ensure_retry_interval,
+                        )
                 if due and bootstrap_addr not in self._prefill_dp_rank_queries:
                     self._submit_prefill_dp_rank_query(bootstrap_addr, due, now)
+                elif due:
+                    entry.dp_recheck_at = now
             else:
                 prefetched = self._prefill_dp_rank_queries.pop(bootstrap_addr, None)
                 if prefetched is not None:
                     prefetched[1].cancel()
+            entry.reqs = remaining
+            if not remaining:
+                del pending[bootstrap_addr]
 
-        self.pending_reqs = remaining
-        self._drop_idle_ensure_state()
+        if resolved or gone:
+            left = {id(decode_req) for decode_req in gone}
+            left.update(id(decode_req) for decode_req, _ in resolved)
+            self.pending_reqs = [r for r in self.pending_reqs if id(r) not in left]
+            self._pending_seen = (
+                self.pending_reqs,
+                len(self.pending_reqs),
+                self.pending_reqs[-1] if self.pending_reqs else None,
+            )
 
         for decode_req, prefill_dp_rank in resolved:
             self._init_receiver(decode_req, prefill_dp_rank)
+
+    def _prefill_dp_rank_news(
+        self, bootstrap_addr: str, entry: _PendingPrefill, now: float
+    ) -> bool:
+        """Whether a prefill's dp-rank query has landed or gone overdue, or a
+        room of it is due to be asked again."""
+        query = self._prefill_dp_rank_queries.get(bootstrap_addr)
+        if query is not None:
+            return query[1].done() or bootstrap_fetch_overdue(query[1])
+        return now >= entry.dp_recheck_at
 
     def _abort_dp_rank_query(
         self, bootstrap_addr: str, decode_req: DecodeRequest, count: int

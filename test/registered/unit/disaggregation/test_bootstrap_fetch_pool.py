@@ -1,22 +1,28 @@
 """The decode side's bootstrap fetch pool and the time bound of a fetch.
 
 requests' ``timeout=5`` bounds connect and each read, not a query's total
-time, so a fetch can outlive any budget; the pool times each task from when a
-worker picks it up, and an overdue or evicted fetch is retired: a new attempt
-may start, and the old one's late answer is dropped. CPU-only, no sleeps: a
-fake monotonic clock stands for time, and fetches block on
-``threading.Event``.
+time, so a fetch can outlive any budget; the pool times each task from its
+submission into its prefill's own lane, and an overdue or evicted fetch is
+retired: a new attempt may start, the old one's late answer is dropped, and
+its connection is shut down. Each prefill has lanes of its own, so prefills
+that hang never hold up another's query. CPU-only, no sleeps: a fake
+monotonic clock stands for time, and fetches block on ``threading.Event``;
+the connection cases use a silent HTTP server on 127.0.0.1.
 """
 
-import os
 import threading
 import unittest
-from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import MethodType, SimpleNamespace
 from unittest import mock
+
+import requests
 
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.common import conn as conn_mod
+from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -37,82 +43,115 @@ _WAIT_S = 30
 BOUND_S = conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S
 
 
-class TestBootstrapFetchExecutor(CustomTestCase):
-    WORKERS = 4
+class TestBootstrapFetchPool(CustomTestCase):
+    WORKERS = 2
 
     def setUp(self):
         super().setUp()
-        self.executor = conn_mod._BootstrapFetchExecutor(self.WORKERS, "test-fetch")
-        self.addCleanup(self.executor.shutdown, wait=False, cancel_futures=True)
+        self.pool = conn_mod._BootstrapFetchPool(
+            "test-fetch", lane_workers={"bootstrap": self.WORKERS}
+        )
+        self.addCleanup(self.pool.shutdown, wait=False, cancel_futures=True)
         self.release = threading.Event()
         self.addCleanup(self.release.set)
 
+    def hang(self, addr: str, entered: threading.Semaphore):
+        def hung(addr):
+            entered.release()
+            self.release.wait(_WAIT_S)
+
+        return self.pool.submit(hung, addr)
+
     def test_submit_starts_no_thread_on_the_calling_thread(self):
-        started = []
+        starters = []
         original = threading.Thread.start
 
         def start(thread):
-            started.append(thread)
+            starters.append(threading.current_thread())
             return original(thread)
 
         with mock.patch.object(threading.Thread, "start", start):
-            # Every worker busy at once: none may be started lazily here.
             futures = [
-                self.executor.submit(self.release.wait, _WAIT_S)
-                for _ in range(self.WORKERS)
+                self.pool.submit(self.release.wait, f"127.0.0.1:{port}")
+                for port in range(1, 5)
             ]
-        self.release.set()
-        for future in futures:
-            self.assertTrue(future.result(timeout=_WAIT_S))
-        self.assertEqual(started, [])
-        self.assertIsInstance(self.executor, ThreadPoolExecutor)
+            self.release.set()
+            for future in futures:
+                self.assertIsInstance(future, Future)
+                self.assertTrue(future.result(timeout=_WAIT_S))
+        self.assertEqual(len(starters), 4)  # a lane thread per prefill
+        self.assertNotIn(threading.current_thread(), starters)
+
+    def test_more_hung_prefills_than_workers_leave_a_healthy_query_running(self):
+        entered = threading.Semaphore(0)
+        hung = [f"127.0.1.{i}:8998" for i in range(4 * self.WORKERS)]
+        for addr in hung:
+            for _ in range(self.WORKERS + 1):  # every lane thread, and one queued
+                self.hang(addr, entered)
+        for _ in range(len(hung) * self.WORKERS):
+            self.assertTrue(entered.acquire(timeout=_WAIT_S))
+
+        healthy = self.pool.submit(lambda addr: addr, ADDR)
+
+        self.assertEqual(healthy.result(timeout=_WAIT_S), ADDR)
+        self.assertFalse(self.release.is_set())
+        # A sick prefill holds its own lane's threads, no more.
+        self.assertLessEqual(self.pool.thread_count(), (len(hung) + 1) * self.WORKERS)
 
     def test_a_hung_fetch_does_not_hold_up_interpreter_exit(self):
-        entered = threading.Event()
+        entered = threading.Semaphore(0)
+        running = [self.hang(ADDR, entered) for _ in range(self.WORKERS)]
+        for _ in running:
+            self.assertTrue(entered.acquire(timeout=_WAIT_S))
+        queued = self.hang(ADDR, entered)
 
-        def hung():
-            entered.set()
-            self.release.wait(_WAIT_S)
-
-        running = self.executor.submit(hung)
-        self.assertTrue(entered.wait(_WAIT_S))
-        queued = [self.executor.submit(hung) for _ in range(self.WORKERS)]
-
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
         # Exit joins non-daemon threads only; queued fetches never run.
-        self.assertTrue(all(t.daemon for t in self.executor._threads))
-        self.assertFalse(running.done())
-        self.assertTrue(all(f.cancelled() for f in queued[self.WORKERS - 1 :]))
+        self.assertTrue(all(t.daemon for t in self.pool._threads))
+        self.assertFalse(any(f.done() for f in running))
+        self.assertTrue(queued.cancelled())
         with self.assertRaises(RuntimeError):
-            self.executor.submit(hung)
+            self.pool.submit(int)
         self.release.set()
-        self.assertIsNone(running.result(timeout=_WAIT_S))
+        for future in running:
+            self.assertIsNone(future.result(timeout=_WAIT_S))
 
     def test_results_and_errors_reach_the_future(self):
-        self.assertEqual(self.executor.submit(lambda x: x + 1, 1).result(_WAIT_S), 2)
+        self.assertEqual(self.pool.submit(lambda x: x + 1, 1).result(_WAIT_S), 2)
         with self.assertRaises(ZeroDivisionError):
-            self.executor.submit(lambda: 1 / 0).result(_WAIT_S)
+            self.pool.submit(lambda: 1 / 0).result(_WAIT_S)
 
-    def test_the_bound_runs_from_pickup_not_from_submission(self):
+    def test_idle_lane_threads_end(self):
+        pool = conn_mod._BootstrapFetchPool("test-idle", idle_s=0)
+        self.addCleanup(pool.shutdown, wait=False)
+        pool.submit(lambda addr: None, ADDR).result(timeout=_WAIT_S)
+        for thread in list(pool._threads):
+            thread.join(_WAIT_S)
+        self.assertEqual(pool.thread_count(), 0)
+        self.assertEqual(pool._lanes, {})
+
+    def test_the_bound_runs_from_submission_in_the_prefills_own_lane(self):
         clock = FakeClock()
-        executor = conn_mod._BootstrapFetchExecutor(1, "test-one")
-        self.addCleanup(executor.shutdown, wait=False, cancel_futures=True)
+        pool = conn_mod._BootstrapFetchPool("test-one", lane_workers={"bootstrap": 1})
+        self.addCleanup(pool.shutdown, wait=False, cancel_futures=True)
         entered = threading.Event()
 
-        def hung():
+        def hung(addr):
             entered.set()
             self.release.wait(_WAIT_S)
 
         with mock.patch.object(conn_mod, "time", clock):
-            running = executor.submit(hung)
+            running = pool.submit(hung, ADDR)
             self.assertTrue(entered.wait(_WAIT_S))
-            queued = executor.submit(lambda: None)
+            # Queued behind its own prefill's hung fetch: that wait is its own.
+            queued = pool.submit(lambda addr: None, ADDR)
+            other = pool.submit(lambda addr: None, "127.0.0.1:1")
+            other.result(timeout=_WAIT_S)
             clock.now += BOUND_S + 1
 
             self.assertTrue(conn_mod.bootstrap_fetch_overdue(running))
-            # Queued behind a hung fetch is not a fetch that took too long.
-            self.assertFalse(conn_mod.bootstrap_fetch_overdue(queued))
+            self.assertTrue(conn_mod.bootstrap_fetch_overdue(queued))
             self.release.set()
             queued.result(timeout=_WAIT_S)
         self.assertFalse(conn_mod.bootstrap_fetch_overdue(queued))
@@ -121,18 +160,69 @@ class TestBootstrapFetchExecutor(CustomTestCase):
         with ThreadPoolExecutor(1) as plain:
             self.assertFalse(conn_mod.bootstrap_fetch_overdue(plain.submit(int)))
 
-    def test_the_pool_size_comes_from_the_thread_pool_setting(self):
-        with mock.patch.dict(
-            os.environ, {"SGLANG_DISAGGREGATION_THREAD_POOL_SIZE": "3"}
-        ):
-            self.assertEqual(conn_mod._bootstrap_fetch_workers(), 3)
-        env = dict(os.environ)
-        env.pop("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", None)
-        with mock.patch.dict(os.environ, env, clear=True):
-            self.assertEqual(
-                conn_mod._bootstrap_fetch_workers(),
-                conn_mod.DEFAULT_BOOTSTRAP_FETCH_WORKERS,
-            )
+
+class SilentHandler(BaseHTTPRequestHandler):
+    """Takes a request in, then answers nothing until released."""
+
+    def do_GET(self):
+        self.server.arrived.set()
+        self.server.release.wait(_WAIT_S)
+
+    def log_message(self, *args):
+        pass
+
+
+class TestRetiredFetchConnection(CustomTestCase):
+    """A retired fetch's connection is shut down: its thread comes back while
+    the peer still holds the request, not when a read times out."""
+
+    def setUp(self):
+        super().setUp()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), SilentHandler)
+        self.server.daemon_threads = True
+        self.server.arrived = threading.Event()
+        self.server.release = threading.Event()
+        self.addCleanup(self.server.server_close)
+        self.addCleanup(self.server.shutdown)
+        self.addCleanup(self.server.release.set)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.addr = f"127.0.0.1:{self.server.server_address[1]}"
+        self.pool = conn_mod._BootstrapFetchPool("test-retire")
+        self.addCleanup(self.pool.shutdown, wait=False, cancel_futures=True)
+
+    def assert_thread_comes_back(self, fetch):
+        self.assertTrue(self.server.arrived.wait(_WAIT_S))
+        fetch.retire()
+        with self.assertRaises(requests.RequestException):
+            fetch.result(timeout=_WAIT_S)
+        self.assertFalse(self.server.release.is_set())  # the peer never answered
+
+    def test_a_retired_query_on_a_shared_session_is_cut_off(self):
+        def query(addr):
+            with conn_mod._bootstrap_session(addr) as session:
+                # Longer than the safety net: only the shutdown ends it in time.
+                return session.get(f"http://{addr}/route", timeout=10 * _WAIT_S)
+
+        self.assert_thread_comes_back(self.pool.submit(query, self.addr))
+        # Its session is not handed to the next query.
+        self.assertEqual(conn_mod._idle_bootstrap_sessions.get(self.addr, []), [])
+
+    def test_a_heartbeat_probe_left_unanswered_fails_and_is_cut_off(self):
+        mgr = SimpleNamespace(
+            session_pool=defaultdict(conn_mod._new_bootstrap_session),
+            session_pool_lock=threading.Lock(),
+        )
+        probe = self.pool.submit_to(
+            "health",
+            conn_mod.HEARTBEAT_PROBE_TIMEOUT_S,
+            MethodType(CommonKVManager._probe_prefill_health, mgr),
+            self.addr,
+        )
+        self.assertTrue(self.server.arrived.wait(_WAIT_S))
+
+        self.assertFalse(CommonKVManager._heartbeat_probe_answered(probe))
+        self.assertFalse(probe.result(timeout=_WAIT_S))
+        self.assertFalse(self.server.release.is_set())
 
 
 class TestOverdueParallelInfoFetch(CustomTestCase):
@@ -213,8 +303,8 @@ class TestOverdueParallelInfoFetch(CustomTestCase):
         self.assertIn(f"from {ADDR} after 2 attempts", reason)
         self.assertEqual(len(fake.calls), 2)
 
-    def test_a_healthy_fetch_queued_behind_hung_ones_is_never_charged(self):
-        hung = [f"127.0.1.{i}:8998" for i in range(2)]
+    def test_a_healthy_fetch_does_not_wait_behind_hung_ones(self):
+        hung = [f"127.0.1.{i}:8998" for i in range(8)]  # more than workers
         release = threading.Event()
         self.addCleanup(release.set)
         entered = threading.Semaphore(0)
@@ -231,15 +321,13 @@ class TestOverdueParallelInfoFetch(CustomTestCase):
                 self.mgr.try_ensure_parallel_info(addr)
             for _ in hung:
                 self.assertTrue(entered.acquire(timeout=_WAIT_S))
-            self.mgr.try_ensure_parallel_info(ADDR)  # queued: both workers hung
+            self.mgr.try_ensure_parallel_info(ADDR)
+            self.fetches[-1].result(timeout=_WAIT_S)
 
-            self.clock.now += 5 * BOUND_S
-            self.assertTrue(self.mgr.parallel_info_fetch_in_flight(ADDR))
-            self.assertFalse(self.mgr.parallel_info_fetch_in_flight(hung[0]))
+            self.assertTrue(self.mgr.has_parallel_info(ADDR))
+            self.assertFalse(release.is_set())
+            self.assertTrue(self.mgr.parallel_info_fetch_in_flight(hung[0]))
             release.set()
-            for fetch in self.fetches:
-                fetch.result(timeout=_WAIT_S)
-        self.assertTrue(self.mgr.has_parallel_info(ADDR))
 
     def test_eviction_during_a_fetch_does_not_republish(self):
         fake = self.patch_get(FakeGet("block"))
@@ -261,8 +349,9 @@ class TestOverdueParallelInfoFetch(CustomTestCase):
         fake = self.patch_get(FakeGet("block"))
         mgr = make_decode_manager(workers=1)
         mgr.try_ensure_parallel_info("127.0.0.1:1")
-        mgr.try_ensure_parallel_info("127.0.0.1:2")  # queued behind it
         self.assertTrue(fake.entered.wait(_WAIT_S))
+        # Queued behind it in that prefill's lane.
+        mgr._parallel_info_executor.submit(mgr._publish_parallel_info, "127.0.0.1:1")
 
         mgr._stop_bootstrap_fetches()
 

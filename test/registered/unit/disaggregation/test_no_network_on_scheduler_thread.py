@@ -7,13 +7,14 @@ admission fast path and the route cache built the way sglang's own tests build
 them, the background route setup, and one first contact end to end against a
 fake bootstrap server on 127.0.0.1 with every HTTP request's thread recorded.
 CPU-only, no sleeps: fetch threads are coordinated with ``threading.Event`` and
-a single-worker fetch pool used as a barrier.
+a barrier on the fetch pool (wait for every task it holds).
 """
 
 import json
 import threading
 import unittest
 from collections import defaultdict
+from concurrent.futures import wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from unittest import mock
@@ -53,7 +54,7 @@ DP_TP_INFO = dict(PREFILL_INFO, dp_size=2, attn_tp_size=2, follow_bootstrap_room
 
 def make_decode_manager(workers: int = 1) -> CommonKVManager:
     """A decode-mode CommonKVManager with the state the bootstrap path reads
-    and a real fetch pool; with one worker, it doubles as a barrier."""
+    and a real fetch pool; ``workers`` threads per lane."""
     mgr = CommonKVManager.__new__(CommonKVManager)
     set_decode_config(
         mgr,
@@ -78,8 +79,9 @@ def make_decode_manager(workers: int = 1) -> CommonKVManager:
     mgr._deferred_ack_targets = {}
     mgr._deferred_ack_poisoned_rooms = set()
     mgr._staging_outstanding = defaultdict(int)
-    mgr._parallel_info_executor = conn_mod._BootstrapFetchExecutor(
-        workers, "test-fetch"
+    mgr._parallel_info_executor = conn_mod._BootstrapFetchPool(
+        "test-fetch",
+        lane_workers={"bootstrap": workers, "health": 1, "rebootstrap": workers},
     )
     mgr._prefill_recompute_executor = mgr._parallel_info_executor
     mgr._parallel_info_inflight = set()
@@ -90,8 +92,14 @@ def make_decode_manager(workers: int = 1) -> CommonKVManager:
 
 
 def drain(mgr: CommonKVManager) -> None:
-    """Barrier on a single-worker pool: every fetch submitted so far ended."""
-    mgr._parallel_info_executor.submit(lambda: None).result(timeout=_WAIT_S)
+    """Barrier: every fetch submitted so far, and any it submitted, ended."""
+    pool = mgr._parallel_info_executor
+    while True:
+        with pool._lock:
+            running = [f for fs in pool._by_addr.values() for f in fs if not f.done()]
+        if not running:
+            return
+        wait(running, timeout=_WAIT_S)
 
 
 def cache_info(mgr: CommonKVManager, addr: str, info: dict = PREFILL_INFO):

@@ -6,7 +6,7 @@ Built the way sglang's tests of the query overlap build their queue: a
 ``_ensure_prefill_recompute_executor``, pending requests of SimpleNamespaces,
 and a real HTTP server on 127.0.0.1 answering ``POST /query_dp_ranks``. The
 executor has one worker, so "submit a no-op and wait" is a barrier; time
-passing is ``_ensure_last_attempt_time`` moved back by one interval. No sleeps.
+passing is a fake clock moved on by one interval. No sleeps.
 """
 
 import json
@@ -100,9 +100,10 @@ class _Base(CustomTestCase):
         disagg = SimpleNamespace(disaggregation_decode_allocation_policy="early")
         # Time passes only when a test says so (pass_interval), however long
         # a query takes on a loaded host.
+        self.clock = FakeClock()
         for patcher in (
             mock.patch.object(decode_mod, "get_disagg", return_value=disagg),
-            mock.patch.object(decode_mod, "time", FakeClock()),
+            mock.patch.object(decode_mod, "time", self.clock),
         ):
             patcher.start()
             self.addCleanup(patcher.stop)
@@ -142,8 +143,7 @@ class _Base(CustomTestCase):
         self.executor.submit(lambda: None).result(timeout=_WAIT_S)
 
     def pass_interval(self):
-        for key in self.queue._ensure_last_attempt_time:
-            self.queue._ensure_last_attempt_time[key] -= 1.0
+        self.clock.now += self.queue._ensure_retry_interval
 
     def pending_rooms(self):
         return [r.req.bootstrap_room for r in self.queue.pending_reqs]

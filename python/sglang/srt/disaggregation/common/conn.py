@@ -6,12 +6,14 @@ import copy
 import dataclasses
 import logging
 import queue
+import socket
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager, nullcontext
 from typing import (
     Callable,
+    Deque,
     Dict,
     Iterator,
     List,
@@ -28,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import requests
 import torch.distributed as dist
+import urllib3
 import zmq
 from aiohttp import web
 
@@ -87,11 +90,47 @@ ORPHANED_ROOM_ABORT_REASON = (
 # Decode-side bootstrap queries (parallel info, dp ranks, per-rank routes) run
 # on a fetch pool, never on the scheduler thread. requests' timeout=5 bounds
 # connect and each read, not a query's total time: a query still running this
-# long after a worker picked it up is overdue, and a new attempt may replace it.
+# long after it was submitted is overdue, and a new attempt may replace it.
 BOOTSTRAP_FETCH_TIMEOUT_S = 10
-# The pool size when SGLANG_DISAGGREGATION_THREAD_POOL_SIZE is not set (the
-# default of 0.5.23's rebootstrap executor, which this pool also serves).
-DEFAULT_BOOTSTRAP_FETCH_WORKERS = 16
+# Threads one prefill may hold per kind of call (its lane). However many
+# prefills hang, each keeps only its own: another prefill's calls still start
+# at once.
+BOOTSTRAP_FETCH_LANE_WORKERS = {"bootstrap": 2, "health": 1, "rebootstrap": 4}
+# A lane thread with nothing to run for this long ends.
+BOOTSTRAP_FETCH_LANE_IDLE_S = 60.0
+# A heartbeat probe (timeout=(2, 3)) still running this long has failed.
+HEARTBEAT_PROBE_TIMEOUT_S = 5
+
+
+class _FetchHTTPConnection(urllib3.connection.HTTPConnection):
+    """Hands the socket of each response it reads to the bootstrap fetch
+    running on this thread: retiring the fetch shuts the socket down, which
+    ends a read that a peer answering a byte at a time keeps alive."""
+
+    def getresponse(self, *args, **kwargs):
+        fetch = getattr(_current_fetch, "fetch", None)
+        if fetch is not None and self.sock is not None:
+            fetch.hold_socket(self.sock)
+        return super().getresponse(*args, **kwargs)
+
+
+class _FetchHTTPConnectionPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _FetchHTTPConnection
+
+
+class _FetchHTTPAdapter(requests.adapters.HTTPAdapter):
+    def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = dict(
+            self.poolmanager.pool_classes_by_scheme, http=_FetchHTTPConnectionPool
+        )
+
+
+def _new_bootstrap_session() -> requests.Session:
+    # Bootstrap is http-only, so only http:// is mounted.
+    session = requests.Session()
+    session.mount("http://", _FetchHTTPAdapter(pool_connections=1, pool_maxsize=1))
+    return session
 
 
 # Reuse keep-alive sessions per bootstrap_addr for decode-side bootstrap queries
@@ -112,45 +151,71 @@ def _bootstrap_session(bootstrap_addr: str) -> Iterator[requests.Session]:
         idle = _idle_bootstrap_sessions[bootstrap_addr]
         session = idle.pop() if idle else None
     if session is None:
-        # Bootstrap is http-only, so only http:// is mounted.
-        session = requests.Session()
-        session.mount(
-            "http://", requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=1)
-        )
+        session = _new_bootstrap_session()
     try:
         yield session
     finally:
-        with _idle_bootstrap_sessions_lock:
-            idle = _idle_bootstrap_sessions[bootstrap_addr]
-            if len(idle) < _BOOTSTRAP_SESSIONS_IDLE_MAX:
-                idle.append(session)
-                session = None
+        # A retired fetch's connection may be shut down: do not reuse it.
+        if not _fetch_retired():
+            with _idle_bootstrap_sessions_lock:
+                idle = _idle_bootstrap_sessions[bootstrap_addr]
+                if len(idle) < _BOOTSTRAP_SESSIONS_IDLE_MAX:
+                    idle.append(session)
+                    session = None
         if session is not None:
             session.close()
 
 
+def _shutdown_socket(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
 class _BootstrapFetch(concurrent.futures.Future):
-    """A task of _BootstrapFetchExecutor."""
+    """A task of _BootstrapFetchPool."""
+
+    _sockets_lock = threading.Lock()
 
     def __init__(self, fn: Callable, args: tuple, timeout_s: float):
         super().__init__()
         self.fn = fn
         self.args = args
         self.timeout_s = timeout_s
-        # Set when a worker picks the task up: its time bound does not run
-        # while it waits in the queue behind other fetches.
+        # The bound runs from submission: a lane holds one prefill's calls
+        # only, so a wait in it is that prefill's own.
+        self.submitted_at = time.monotonic()
         self.started_at: Optional[float] = None
         # Set under the owner's lock when the task is overdue or its prefill
         # was marked failed; the body then drops its answer (_fetch_retired).
         self.retired = False
+        # Sockets of the responses it is reading (_FetchHTTPConnection).
+        self._sockets: List[socket.socket] = []
 
     def overdue(self) -> bool:
-        started_at = self.started_at
-        return (
-            started_at is not None
-            and not self.done()
-            and time.monotonic() - started_at > self.timeout_s
-        )
+        return not self.done() and time.monotonic() - self.submitted_at > self.timeout_s
+
+    def hold_socket(self, sock: socket.socket) -> None:
+        with self._sockets_lock:
+            if not self.retired:
+                self._sockets.append(sock)
+                return
+        _shutdown_socket(sock)
+
+    def release_sockets(self) -> None:
+        with self._sockets_lock:
+            self._sockets = []
+
+    def retire(self) -> None:
+        """Drop this task's answer, and shut down the connections it is still
+        reading from, so that its thread and socket come back now rather than
+        when the peer gives up."""
+        with self._sockets_lock:
+            self.retired = True
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            _shutdown_socket(sock)
 
 
 _current_fetch = threading.local()
@@ -158,132 +223,259 @@ _current_fetch = threading.local()
 
 def _fetch_retired() -> bool:
     """Whether the bootstrap fetch running on this thread was retired, so its
-    answer must not be published. False off _BootstrapFetchExecutor."""
+    answer must not be published. False off _BootstrapFetchPool."""
     fetch = getattr(_current_fetch, "fetch", None)
     return fetch is not None and fetch.retired
 
 
 def bootstrap_fetch_overdue(future: concurrent.futures.Future) -> bool:
-    """A future of _BootstrapFetchExecutor past its time bound; any other
+    """A future of _BootstrapFetchPool past its time bound; any other
     future has none."""
     return isinstance(future, _BootstrapFetch) and future.overdue()
 
 
-def _bootstrap_fetch_workers() -> int:
-    workers = envs.SGLANG_DISAGGREGATION_THREAD_POOL_SIZE.get()
-    if workers is None:
-        workers = DEFAULT_BOOTSTRAP_FETCH_WORKERS
-    return max(1, workers)
+class _FetchLane:
+    """The queued tasks and the threads of one (prefill, kind of call)."""
+
+    __slots__ = ("tasks", "threads", "idle", "cond")
+
+    def __init__(self, lock: threading.Lock):
+        self.tasks: Deque[Tuple[_BootstrapFetch, dict]] = deque()
+        self.threads = 0
+        self.idle = 0
+        self.cond = threading.Condition(lock)
 
 
-class _BootstrapFetchExecutor(concurrent.futures.ThreadPoolExecutor):
-    """The decode side's pool for HTTP to prefill servers: bootstrap queries
-    and rebootstrap /generate calls.
+class _BootstrapFetchPool:
+    """The decode side's threads for HTTP to prefill servers: bootstrap
+    queries, heartbeat probes and rebootstrap /generate calls.
 
-    Its workers are daemon threads, all started up front: ThreadPoolExecutor
-    starts a worker inside submit(), i.e. on the scheduler thread, and joins
-    its workers at interpreter exit, so a fetch blocked on a hung bootstrap
-    server would hold up shutdown. Its futures are _BootstrapFetch tasks, which
-    know when a worker picked them up and can be retired.
+    Not a ThreadPoolExecutor: with one queue for every prefill, prefills that
+    hang took every worker and a healthy prefill's query waited behind them.
+    Here each (prefill, kind of call) has a lane of its own with at most
+    BOOTSTRAP_FETCH_LANE_WORKERS threads, so a sick prefill holds only its
+    own. submit() returns a concurrent.futures.Future and shutdown() takes
+    ThreadPoolExecutor's arguments, so callers and tests use it as one.
+    Lane threads are daemon threads, started by the pool's spawner thread
+    (never inside submit(), i.e. a scheduling cycle), and end when idle.
     """
 
-    def __init__(self, max_workers: int, thread_name_prefix: str):
-        super().__init__(max_workers, thread_name_prefix)
-        self._fetch_queue = queue.SimpleQueue()
-        self._fetch_stopped = False
-        # Queued and running tasks.
-        self._fetches: Set[_BootstrapFetch] = set()
-        self._fetches_lock = threading.Lock()
-        for i in range(max_workers):
-            thread = threading.Thread(
-                target=self._fetch_worker, name=f"{thread_name_prefix}_{i}", daemon=True
-            )
-            thread.start()
-            self._threads.add(thread)
+    def __init__(
+        self,
+        thread_name_prefix: str,
+        lane_workers: Optional[Dict[str, int]] = None,
+        idle_s: float = BOOTSTRAP_FETCH_LANE_IDLE_S,
+    ):
+        self._prefix = thread_name_prefix
+        self._lane_workers = dict(lane_workers or BOOTSTRAP_FETCH_LANE_WORKERS)
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._lanes: Dict[Tuple[str, str], _FetchLane] = {}
+        # Queued and running tasks, by prefill and by call (for find()).
+        self._by_addr: Dict[str, Set[_BootstrapFetch]] = defaultdict(set)
+        self._by_call: Dict[tuple, _BootstrapFetch] = {}
+        self._threads: Set[threading.Thread] = set()
+        self._spawn_queue = queue.SimpleQueue()
+        self._spawner = threading.Thread(
+            target=self._spawn_lane_threads, name=f"{self._prefix}-spawner", daemon=True
+        )
+        self._spawner.start()
+
+    @staticmethod
+    def _lane_of(args: tuple) -> Tuple[str, str]:
+        """A bootstrap query takes its prefill's bootstrap_addr first; a
+        rebootstrap /generate, the receiver of that prefill."""
+        target = args[0] if args else None
+        if isinstance(target, str):
+            return target, "bootstrap"
+        addr = getattr(target, "bootstrap_addr", None)
+        if isinstance(addr, str):
+            return addr, "rebootstrap"
+        return "", "bootstrap"
 
     def submit(self, fn, /, *args, **kwargs) -> _BootstrapFetch:
-        return self.submit_with_timeout(BOOTSTRAP_FETCH_TIMEOUT_S, fn, *args, **kwargs)
+        return self.submit_to(None, BOOTSTRAP_FETCH_TIMEOUT_S, fn, *args, **kwargs)
 
     def submit_with_timeout(
         self, timeout_s: float, fn, /, *args, **kwargs
     ) -> _BootstrapFetch:
-        if self._fetch_stopped:
-            raise RuntimeError("cannot schedule new futures after shutdown")
+        return self.submit_to(None, timeout_s, fn, *args, **kwargs)
+
+    def submit_to(
+        self, kind: Optional[str], timeout_s: float, fn, /, *args, **kwargs
+    ) -> _BootstrapFetch:
+        addr, default_kind = self._lane_of(args)
+        key = (addr, kind or default_kind)
         fetch = _BootstrapFetch(fn, args, timeout_s)
-        with self._fetches_lock:
-            self._fetches.add(fetch)
-        self._fetch_queue.put((fetch, kwargs))
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _FetchLane(self._lock)
+            lane.tasks.append((fetch, kwargs))
+            self._by_addr[addr].add(fetch)
+            call = _call_key(fn, args)
+            if call is not None:
+                self._by_call[call] = fetch
+            if len(lane.tasks) > lane.idle and lane.threads < self._lane_workers.get(
+                key[1], 1
+            ):
+                lane.threads += 1
+                self._spawn_queue.put((key, lane))
+            lane.cond.notify()
         return fetch
 
     def find(self, fn, /, *args) -> Optional[_BootstrapFetch]:
         """The queued or running task of ``fn(*args)`` that is not retired."""
-        with self._fetches_lock:
-            for fetch in self._fetches:
-                if fetch.fn == fn and fetch.args == args and not fetch.retired:
-                    return fetch
-        return None
+        call = _call_key(fn, args)
+        fetch = self._by_call.get(call) if call is not None else None
+        return fetch if fetch is not None and not fetch.retired else None
 
     def retire_for(self, bootstrap_addr: str) -> None:
-        """Retire the queued and running bootstrap queries to one prefill: each
-        takes the prefill's bootstrap_addr as its first argument. The caller
+        """Retire the queued and running calls to one prefill. The caller
         holds the lock under which those tasks publish their answers."""
-        with self._fetches_lock:
-            for fetch in self._fetches:
-                if fetch.args[:1] == (bootstrap_addr,):
-                    fetch.retired = True
+        with self._lock:
+            fetches = list(self._by_addr.get(bootstrap_addr, ()))
+        for fetch in fetches:
+            fetch.retire()
 
-    def _fetch_worker(self) -> None:
+    def thread_count(self) -> int:
+        return len(self._threads)
+
+    def _spawn_lane_threads(self) -> None:
         while True:
-            item = self._fetch_queue.get()
+            item = self._spawn_queue.get()
             if item is None:
                 return
-            fetch, kwargs = item
-            if fetch.set_running_or_notify_cancel():
-                fetch.started_at = time.monotonic()
-                _current_fetch.fetch = fetch
-                try:
-                    fetch.set_result(fetch.fn(*fetch.args, **kwargs))
-                except BaseException as e:
-                    fetch.set_exception(e)
-                finally:
-                    _current_fetch.fetch = None
-            with self._fetches_lock:
-                self._fetches.discard(fetch)
+            key, lane = item
+            thread = threading.Thread(
+                target=self._run_lane,
+                args=(key, lane),
+                name=f"{self._prefix}-{key[1]}-{key[0]}",
+                daemon=True,
+            )
+            with self._lock:
+                self._threads.add(thread)
+            try:
+                thread.start()
+            except RuntimeError:
+                logger.exception(
+                    f"Could not start a bootstrap fetch thread for [{key[0]}]"
+                )
+                with self._lock:
+                    self._threads.discard(thread)
+                    lane.threads -= 1
+
+    def _run_lane(self, key: Tuple[str, str], lane: _FetchLane) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not lane.tasks and not self._stopped:
+                        lane.idle += 1
+                        notified = lane.cond.wait(self._idle_s)
+                        lane.idle -= 1
+                        if not notified:
+                            break
+                    if not lane.tasks:
+                        lane.threads -= 1
+                        if lane.threads == 0 and self._lanes.get(key) is lane:
+                            del self._lanes[key]
+                        return
+                    fetch, kwargs = lane.tasks.popleft()
+                self._run(key[0], fetch, kwargs)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _run(self, addr: str, fetch: _BootstrapFetch, kwargs: dict) -> None:
+        if fetch.set_running_or_notify_cancel():
+            fetch.started_at = time.monotonic()
+            _current_fetch.fetch = fetch
+            try:
+                result = fetch.fn(*fetch.args, **kwargs)
+            except BaseException as e:
+                fetch.set_exception(e)
+            else:
+                fetch.set_result(result)
+            finally:
+                _current_fetch.fetch = None
+                fetch.release_sockets()
+        with self._lock:
+            self._forget(addr, fetch)
+
+    def _forget(self, addr: str, fetch: _BootstrapFetch) -> None:
+        fetches = self._by_addr.get(addr)
+        if fetches is not None:
+            fetches.discard(fetch)
+            if not fetches:
+                del self._by_addr[addr]
+        call = _call_key(fetch.fn, fetch.args)
+        if call is not None and self._by_call.get(call) is fetch:
+            del self._by_call[call]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._fetch_stopped = True
-        if cancel_futures:
-            while True:
-                try:
-                    item = self._fetch_queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item[0].cancel()
-        for _ in self._threads:
-            self._fetch_queue.put(None)
+        with self._lock:
+            self._stopped = True
+            for key, lane in self._lanes.items():
+                while cancel_futures and lane.tasks:
+                    fetch, _ = lane.tasks.popleft()
+                    fetch.cancel()
+                    self._forget(key[0], fetch)
+                lane.cond.notify_all()
+        self._spawn_queue.put(None)
         if wait:
-            for thread in self._threads:
+            # The spawner first: it starts the threads still owed to lanes.
+            self._spawner.join()
+            with self._lock:
+                threads = list(self._threads)
+            for thread in threads:
                 thread.join()
+
+
+def _call_key(fn, args: tuple) -> Optional[tuple]:
+    key = (fn, args)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 class _PushSender:
     """Sends the decode's control messages to prefill ranks (KV metadata,
-    BOOTSTRAP, ABORT) on a thread of its own, in the order they were posted,
-    so the scheduler thread never touches a prefill's socket: a PUSH send
-    blocks once SNDHWM messages are queued for a peer that does not read,
-    for up to SNDTIMEO per send, and a socket lock can be held by another
-    thread's send to the same peer. A send that fails runs its on_failure."""
+    BOOTSTRAP, ABORT) on a thread of its own, each endpoint's in the order
+    they were posted, so the scheduler thread never touches a prefill's
+    socket. A send never waits: a peer whose SNDHWM is full (it does not
+    read) holds back only its own messages, each tried again until SNDTIMEO
+    has passed since it came first in line, as an inline send would have
+    waited; then it fails. A send that fails runs its on_failure."""
 
-    # Messages posted and not yet sent; past this, a post fails at once.
+    # Messages posted and not yet taken by the sender thread, and messages
+    # waiting for one endpoint; past these, a post fails at once.
     MAX_QUEUED = 65536
+    MAX_QUEUED_PER_ENDPOINT = 4096
+    # How often messages held back by a full peer are tried again.
+    RETRY_INTERVAL_S = 0.005
 
     def __init__(self):
         self._queue = queue.Queue(maxsize=self.MAX_QUEUED)
+        self._queued: Dict[Tuple[str, int], int] = defaultdict(int)
+        self._queued_lock = threading.Lock()
+        # Sender thread only: per endpoint, the messages held back, and when
+        # the first of them came first in line.
+        self._held: Dict[Tuple[str, int], Deque[tuple]] = {}
+        self._held_since: Dict[Tuple[str, int], float] = {}
+        self._send_timeout_s = envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get()
         self._thread = threading.Thread(
             target=self._run, name="pd-decode-zmq-sender", daemon=True
         )
         self._thread.start()
+
+    @staticmethod
+    def _endpoint(bootstrap_info: dict) -> Tuple[str, int]:
+        return bootstrap_info.get("rank_ip"), bootstrap_info.get("rank_port")
 
     def post(
         self,
@@ -291,22 +483,93 @@ class _PushSender:
         frames: List[bytes],
         on_failure: Optional[Callable[[BaseException], None]] = None,
     ) -> None:
+        endpoint = self._endpoint(bootstrap_info)
+        with self._queued_lock:
+            if self._queued[endpoint] >= self.MAX_QUEUED_PER_ENDPOINT:
+                full = True
+            else:
+                full = False
+                self._queued[endpoint] += 1
+        if full:
+            self._failed(bootstrap_info, on_failure, queue.Full())
+            return
         try:
             self._queue.put_nowait((bootstrap_info, frames, on_failure))
         except queue.Full as e:
+            self._done(endpoint)
             self._failed(bootstrap_info, on_failure, e)
 
+    def _done(self, endpoint: Tuple[str, int]) -> None:
+        with self._queued_lock:
+            self._queued[endpoint] -= 1
+            if self._queued[endpoint] <= 0:
+                del self._queued[endpoint]
+
     def _run(self) -> None:
+        retry_at = 0.0
         while True:
-            bootstrap_info, frames, on_failure = self._queue.get()
             try:
-                sock, lock = CommonKVReceiver._connect_to_bootstrap_server(
-                    bootstrap_info
+                item = self._queue.get(
+                    timeout=self.RETRY_INTERVAL_S if self._held else None
                 )
-                with lock:
-                    sock.send_multipart(frames)
-            except Exception as e:
-                self._failed(bootstrap_info, on_failure, e)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                endpoint = self._endpoint(item[0])
+                held = self._held.get(endpoint)
+                if held is not None:
+                    held.append(item)
+                elif not self._send(item):
+                    self._held[endpoint] = deque([item])
+                    self._held_since[endpoint] = time.monotonic()
+            if self._held and time.monotonic() >= retry_at:
+                self._send_held()
+                retry_at = time.monotonic() + self.RETRY_INTERVAL_S
+
+    def _send_held(self) -> None:
+        now = time.monotonic()
+        for endpoint in list(self._held):
+            held = self._held[endpoint]
+            while held:
+                if self._send(held[0]):
+                    held.popleft()
+                    self._held_since[endpoint] = now
+                elif now - self._held_since[endpoint] >= self._send_timeout_s:
+                    bootstrap_info, _, on_failure = held.popleft()
+                    self._done(endpoint)
+                    self._failed(bootstrap_info, on_failure, zmq.Again())
+                    self._held_since[endpoint] = now
+                else:
+                    break
+            if not held:
+                del self._held[endpoint]
+                del self._held_since[endpoint]
+
+    def _send(self, item: tuple) -> bool:
+        """Send without waiting; False if the peer cannot take it now."""
+        bootstrap_info, frames, on_failure = item
+        try:
+            sock, lock = CommonKVReceiver._connect_to_bootstrap_server(bootstrap_info)
+            # Another thread's send to this peer may be waiting on SNDTIMEO.
+            if not lock.acquire(blocking=False):
+                return False
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            finally:
+                lock.release()
+        except zmq.Again:
+            return False
+        except Exception as e:
+            self._done(self._endpoint(bootstrap_info))
+            self._failed(bootstrap_info, on_failure, e)
+            return True
+        self._done(self._endpoint(bootstrap_info))
+        return True
+
+    def queued(self) -> int:
+        """Messages posted and not sent or failed yet."""
+        with self._queued_lock:
+            return sum(self._queued.values())
 
     @staticmethod
     def _failed(bootstrap_info, on_failure, exc: BaseException) -> None:
@@ -795,7 +1058,7 @@ class CommonKVManager(BaseKVManager):
             self.required_prefill_response_num_table: Dict[int, int] = {}
             self.prefill_info_table: Dict[str, PrefillServerInfo] = {}
             self.heartbeat_failures: Dict[str, int] = {}
-            self.session_pool: Dict = defaultdict(requests.Session)
+            self.session_pool: Dict = defaultdict(_new_bootstrap_session)
             self.session_pool_lock = threading.Lock()
             self.addr_to_rooms_tracker: Dict[str, Set[int]] = defaultdict(set)
             self.prefill_response_tracker: Dict[int, Set[int]] = {}
@@ -832,12 +1095,10 @@ class CommonKVManager(BaseKVManager):
             # Bootstrap queries (parallel info, dp ranks, routes) run on this
             # pool, never on the scheduler thread: a bootstrap server that hangs
             # must not stall decode. The dp-rank queries already ran on the
-            # rebootstrap executor, so the pool serves as that executor too,
-            # with its threads started here rather than inside a scheduling
-            # cycle.
-            self._parallel_info_executor = _BootstrapFetchExecutor(
-                max_workers=_bootstrap_fetch_workers(),
-                thread_name_prefix="pd-bootstrap-fetch",
+            # rebootstrap executor, so the pool serves as that executor too.
+            # Each prefill has lanes of its own in it (see _BootstrapFetchPool).
+            self._parallel_info_executor = _BootstrapFetchPool(
+                thread_name_prefix="pd-bootstrap-fetch"
             )
             self._prefill_recompute_executor = self._parallel_info_executor
             CommonKVReceiver.start_push_sender()
@@ -1768,11 +2029,11 @@ class CommonKVManager(BaseKVManager):
         if fetch is None or not fetch.overdue():
             return True
         with self.connection_lock:
-            fetch.retired = True
+            fetch.retire()
             self._parallel_info_inflight.discard(bootstrap_addr)
         logger.warning(
             f"Prefill parallel info fetch from {bootstrap_addr} has not ended "
-            f"{fetch.timeout_s} s after it started; counting it as a failed "
+            f"{fetch.timeout_s} s after it was submitted; counting it as a failed "
             f"attempt. Check the prefill's bootstrap server and the network."
         )
         return False
@@ -2609,29 +2870,34 @@ class CommonKVManager(BaseKVManager):
                     break
                 with self.connection_lock:
                     addresses = list(self.prefill_info_table.keys())
+                # A prefill marked failed is no longer checked; see whether
+                # it is back, for the rooms this decode failed.
+                orphaning = [
+                    addr
+                    for addr in self._orphaned_rooms.addrs()
+                    if addr not in addresses
+                ]
+                # Every prefill at once: a round lasts as long as its slowest
+                # probe, not the sum of them, however many prefills hang.
+                probes = {
+                    addr: self._parallel_info_executor.submit_to(
+                        "health",
+                        HEARTBEAT_PROBE_TIMEOUT_S,
+                        self._probe_prefill_health,
+                        addr,
+                    )
+                    for addr in addresses + orphaning
+                }
+                concurrent.futures.wait(
+                    probes.values(), timeout=HEARTBEAT_PROBE_TIMEOUT_S
+                )
 
                 for bootstrap_addr in addresses:
-                    session = None
-                    try:
-                        with self.session_pool_lock:
-                            session = self.session_pool[bootstrap_addr]
-                        response = session.get(
-                            f"http://{bootstrap_addr}/health",
-                            timeout=(2, 3),
-                            headers={"Connection": "keep-alive"},
-                        )
-                        if response.status_code == 200:
-                            self.heartbeat_failures[bootstrap_addr] = 0
-                            self._on_heartbeat_success(bootstrap_addr)
-                            self._abort_orphaned_rooms(bootstrap_addr)
-                        else:
-                            logger.info(
-                                f"Attempting to reconnect to {bootstrap_addr}..."
-                            )
-                            self.heartbeat_failures[bootstrap_addr] = (
-                                self.heartbeat_failures.get(bootstrap_addr, 0) + 1
-                            )
-                    except Exception:
+                    if self._heartbeat_probe_answered(probes[bootstrap_addr]):
+                        self.heartbeat_failures[bootstrap_addr] = 0
+                        self._on_heartbeat_success(bootstrap_addr)
+                        self._abort_orphaned_rooms(bootstrap_addr)
+                    else:
                         logger.info(f"Attempting to reconnect to {bootstrap_addr}...")
                         self.heartbeat_failures[bootstrap_addr] = (
                             self.heartbeat_failures.get(bootstrap_addr, 0) + 1
@@ -2646,11 +2912,9 @@ class CommonKVManager(BaseKVManager):
                             if bootstrap_addr in self.session_pool:
                                 del self.session_pool[bootstrap_addr]
 
-                # A prefill marked failed is no longer checked above; see
-                # whether it is back, for the rooms this decode failed.
-                for bootstrap_addr in self._orphaned_rooms.addrs():
-                    if bootstrap_addr not in addresses:
-                        self._probe_orphaning_prefill(bootstrap_addr)
+                for bootstrap_addr in orphaning:
+                    if self._heartbeat_probe_answered(probes[bootstrap_addr]):
+                        self._abort_orphaned_rooms(bootstrap_addr)
 
         t = threading.Thread(
             target=heartbeat_checker,
@@ -2661,14 +2925,33 @@ class CommonKVManager(BaseKVManager):
         return t
 
     def _probe_orphaning_prefill(self, bootstrap_addr: str) -> None:
+        if self._probe_prefill_health(bootstrap_addr):
+            self._abort_orphaned_rooms(bootstrap_addr)
+
+    def _probe_prefill_health(self, bootstrap_addr: str) -> bool:
+        """One heartbeat probe (a fetch pool task): True if /health said 200."""
         with self.session_pool_lock:
             session = self.session_pool[bootstrap_addr]
         try:
-            response = session.get(f"http://{bootstrap_addr}/health", timeout=(2, 3))
-        except requests.RequestException:
-            return
-        if response.status_code == 200:
-            self._abort_orphaned_rooms(bootstrap_addr)
+            response = session.get(
+                f"http://{bootstrap_addr}/health",
+                timeout=(2, 3),
+                headers={"Connection": "keep-alive"},
+            )
+        except Exception:
+            return False
+        return response.status_code == 200
+
+    @staticmethod
+    def _heartbeat_probe_answered(probe: concurrent.futures.Future) -> bool:
+        if not probe.done():
+            # Slow answers count as no answer; its socket is shut down.
+            probe.retire()
+            return False
+        try:
+            return probe.result()
+        except Exception:
+            return False
 
     def _on_heartbeat_success(self, bootstrap_addr: str):
         """Hook called on successful heartbeat. Override for backend-specific cleanup."""
@@ -3312,7 +3595,7 @@ class CommonKVReceiver(BaseKVReceiver):
                 reason = f"Bootstrap info setup for {self.bootstrap_addr} failed: {e!r}"
         elif setup.overdue():
             with self.kv_mgr.connection_lock:
-                setup.retired = True
+                setup.retire()
             reason = (
                 f"Bootstrap info lookups to {self.bootstrap_addr} have not ended "
                 f"{setup.timeout_s} s after they started. Check the prefill's "
