@@ -32,6 +32,7 @@ from test_no_network_on_scheduler_thread import (
     PREFILL_INFO,
     FakeClock,
     drain,
+    fake_clock_and_manager,
     make_decode_manager,
     make_queue,
 )
@@ -230,15 +231,7 @@ class TestOverdueParallelInfoFetch(CustomTestCase):
 
     def setUp(self):
         super().setUp()
-        self.clock = FakeClock()
-        for module in (conn_mod, decode_mod):
-            patcher = mock.patch.object(module, "time", self.clock)
-            patcher.start()
-            self.addCleanup(patcher.stop)
-        self.mgr = make_decode_manager(workers=2)
-        self.addCleanup(
-            self.mgr._parallel_info_executor.shutdown, wait=False, cancel_futures=True
-        )
+        self.clock, self.mgr = fake_clock_and_manager(self)
         self.fetches = self.record_submissions()
 
     def patch_get(self, fake: FakeGet) -> FakeGet:

@@ -29,7 +29,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVReceiver, _PushSender
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from test_no_network_on_scheduler_thread import (
-    FakeClock,
+    fake_clock_and_manager,
     make_decode_manager,
     make_queue,
 )
@@ -312,15 +312,7 @@ class TestWaitingForParallelInfoCostsNothingPerRequest(CustomTestCase):
 
     def setUp(self):
         super().setUp()
-        self.clock = FakeClock()
-        for module in (conn_mod, decode_mod):
-            patcher = mock.patch.object(module, "time", self.clock)
-            patcher.start()
-            self.addCleanup(patcher.stop)
-        self.mgr = make_decode_manager(workers=2)
-        self.addCleanup(
-            self.mgr._parallel_info_executor.shutdown, wait=False, cancel_futures=True
-        )
+        self.clock, self.mgr = fake_clock_and_manager(self)
         self.queue = make_queue(self.mgr)
 
     def test_requests_of_a_frozen_prefill_are_not_walked_each_cycle(self):

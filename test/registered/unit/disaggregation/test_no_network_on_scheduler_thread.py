@@ -91,6 +91,21 @@ def make_decode_manager(workers: int = 1) -> CommonKVManager:
     return mgr
 
 
+def fake_clock_and_manager(test: CustomTestCase, workers: int = 2):
+    """A FakeClock standing for time in conn and decode, and a decode manager
+    whose pool is shut down when ``test`` ends."""
+    clock = FakeClock()
+    for module in (conn_mod, decode_mod):
+        patcher = mock.patch.object(module, "time", clock)
+        patcher.start()
+        test.addCleanup(patcher.stop)
+    mgr = make_decode_manager(workers=workers)
+    test.addCleanup(
+        mgr._parallel_info_executor.shutdown, wait=False, cancel_futures=True
+    )
+    return clock, mgr
+
+
 def drain(mgr: CommonKVManager) -> None:
     """Barrier: every fetch submitted so far, and any it submitted, ended."""
     pool = mgr._parallel_info_executor

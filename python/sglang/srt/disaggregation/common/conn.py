@@ -2879,15 +2879,18 @@ class CommonKVManager(BaseKVManager):
                 ]
                 # Every prefill at once: a round lasts as long as its slowest
                 # probe, not the sum of them, however many prefills hang.
-                probes = {
-                    addr: self._parallel_info_executor.submit_to(
-                        "health",
-                        HEARTBEAT_PROBE_TIMEOUT_S,
-                        self._probe_prefill_health,
-                        addr,
-                    )
-                    for addr in addresses + orphaning
-                }
+                try:
+                    probes = {
+                        addr: self._parallel_info_executor.submit_to(
+                            "health",
+                            HEARTBEAT_PROBE_TIMEOUT_S,
+                            self._probe_prefill_health,
+                            addr,
+                        )
+                        for addr in addresses + orphaning
+                    }
+                except RuntimeError:
+                    break  # the fetch pool was shut down: teardown
                 concurrent.futures.wait(
                     probes.values(), timeout=HEARTBEAT_PROBE_TIMEOUT_S
                 )
@@ -2945,8 +2948,10 @@ class CommonKVManager(BaseKVManager):
     @staticmethod
     def _heartbeat_probe_answered(probe: concurrent.futures.Future) -> bool:
         if not probe.done():
-            # Slow answers count as no answer; its socket is shut down.
-            probe.retire()
+            # Slow answers count as no answer: a probe still queued behind an
+            # earlier one does not run, a running one's socket is shut down.
+            if not probe.cancel():
+                probe.retire()
             return False
         try:
             return probe.result()
