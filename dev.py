@@ -11,8 +11,9 @@
         machine, one prefill frozen mid-run; stock, then patched (tools/demo_pd.py).
         Each run calibrates the load first; patched sends the rate stock chose.
         Other arguments (e.g. --rate R) go to tools/demo_pd.py.
-    python3 dev.py bench [--quick]
-        The scheduler stall benchmark on real PD over loopback, stock and patched.
+    python3 dev.py bench [--quick] [--only stall|fleet]
+        The scheduler stall benchmark (P1-P8) and the fleet-scale benchmark
+        (P9-P12) on real PD over loopback, stock and patched.
     python3 dev.py faults [--backend nixl] [--faults NAMES]
         The fault matrix on real PD over loopback, stock and patched, and its
         reliability report (test/pd_loopback/fault_matrix.py, tools/fault_report.py).
@@ -578,13 +579,22 @@ def cmd_bench(argv: list[str]) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python3 dev.py bench")
-    ap.add_argument("--quick", action="store_true", help="~3 min instead of ~6")
+    ap.add_argument("--quick", action="store_true", help="shorter runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench-out")
+    ap.add_argument(
+        "--only",
+        choices=("stall", "fleet"),
+        help="the stall bench (P1-P8) or the fleet bench (P9-P12) alone",
+    )
     args, rest = ap.parse_known_args(argv)
     quick = ["--quick"] if args.quick else []
-    return _compare(
-        "bench_stall.py", quick + rest, "bench_report.py", args.out.resolve()
-    )
+    out = args.out.resolve()
+    if args.only != "fleet":
+        rc = _compare("bench_stall.py", quick + rest, "bench_report.py", out)
+        if rc != 0 or args.only == "stall":
+            return rc
+    # The fleet bench writes next to the stall bench's report, in fleet/.
+    return _compare("bench_fleet.py", quick, "bench_fleet_report.py", out / "fleet")
 
 
 def cmd_faults(argv: list[str]) -> int:
@@ -607,7 +617,7 @@ def cmd_faults(argv: list[str]) -> int:
 USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
        python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
-       python3 dev.py bench [--quick] [--out DIR]
+       python3 dev.py bench [--quick] [--only stall|fleet] [--out DIR]
        python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
 

@@ -77,6 +77,20 @@ def fetch_threads(decode):
     return None if executor is None else len(executor._threads)
 
 
+def dp_query_faults():
+    """A prefill posing as dp rank 0 of 2 that does not follow the bootstrap
+    room: the decode queries the dp rank of every request."""
+    return [
+        harness.fault_spec(
+            "patch_json",
+            fields={"dp_size": 2, "follow_bootstrap_room": False},
+            paths=["/route"],
+            route_kind="info",
+        ),
+        harness.fault_spec("dp_rank_zero", paths=["/query_dp_ranks"]),
+    ]
+
+
 def spread(values):
     values = [v for v in values if v is not None]
     if not values:
@@ -330,17 +344,8 @@ class Bench:
         d = c.decode
         healthy = c.prefills[1]
         self.settle([healthy.addr])
-        faults = []
-        if dp_query:
-            faults = [
-                harness.fault_spec(
-                    "patch_json",
-                    fields={"dp_size": 2, "follow_bootstrap_room": False},
-                    paths=["/route"],
-                    route_kind="info",
-                ),
-                harness.fault_spec("dp_rank_zero", paths=["/query_dp_ranks"]),
-            ]
+        faults = dp_query_faults() if dp_query else []
+        if faults:
             healthy.set_faults(*faults)
         first_cycle = len(d.cycles)
         try:
