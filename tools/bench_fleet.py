@@ -23,8 +23,8 @@ in-process bootstrap servers that answer /health until they are frozen.
 - P12: time until the heartbeat declares K prefills failed that freeze at
   once, default heartbeat settings (interval 5 s, 2 failures).
 - The decode's threads and open fds with 64 frozen prefills, and after they
-  are gone (the patched pool's lane idle time is 2 s in this bench, 60 s
-  by default).
+  are gone (lane threads started in that scenario end after 2 s idle, 60 s
+  by default). Each scenario starts 1 s after the previous one's clean-up.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from bench_stall import dp_query_faults  # noqa: E402
 
 PERIOD_S = 0.005
 LANE_IDLE_S = 2.0
+QUIET_S = 1.0
 HOST = "127.0.0.1"
 
 
@@ -155,6 +156,9 @@ class Bench:
         d.abort_all()
         for addr in addrs:
             d.forget_prefill(addr)
+        # The fetches to closed sick prefills end now, on their own threads:
+        # let them, so that the next scenario does not share the GIL with them.
+        d.run_for(QUIET_S, period_s=0.05)
 
     def dp_faults(self, on: bool):
         healthy = self.cluster.prefills[0]
@@ -321,7 +325,9 @@ class Bench:
 
     def resources(self, k: int = 64, hold_s: float = 12.0) -> dict:
         d = self.cluster.decode
-        d.run_for(2 * LANE_IDLE_S, period_s=0.05)  # earlier lanes end
+        pool = getattr(d.kv_manager, "_parallel_info_executor", None)
+        if hasattr(pool, "_idle_s"):
+            pool._idle_s = LANE_IDLE_S  # threads started from now on
         before = threads_and_fds()
         holes = [harness.Blackhole() for _ in range(k)]
         peak = before
@@ -356,11 +362,6 @@ class Bench:
         }
         with harness.Cluster(self.args.backend, 1) as cluster:
             self.cluster = cluster
-            # Lane threads end after 2 s idle instead of 60 s, so that each
-            # scenario starts with only the threads it needs.
-            pool = getattr(cluster.decode.kv_manager, "_parallel_info_executor", None)
-            if hasattr(pool, "_idle_s"):
-                pool._idle_s = LANE_IDLE_S
             want = self.args.scenarios
             ks = (0, 8, 16, 32, 64) if self.patched else (0, 1, 4)
             if quick:

@@ -204,8 +204,9 @@ def report(stock, patched, png_name):
             "",
             "Each frozen prefill has one pending request for 12 s (its fetches "
             "go overdue and are retried); then they are gone (closed, requests "
-            "aborted, evicted). The pool's lane threads end after 2 s idle in "
-            "this bench (60 s by default).",
+            "aborted, evicted). Lane threads started in this scenario end after "
+            "2 s idle (60 s by default); 'before' includes idle lanes of earlier "
+            "scenarios.",
             "",
             "| | before | peak | after they are gone |",
             "|---|---|---|---|",
