@@ -1394,8 +1394,13 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 entry = by_addr[bootstrap_addr] = _PendingPrefill()
             entry.reqs.append(decode_req)
             entry.fresh = True
-        self._pending_seen = (pending, len(pending), pending[-1] if pending else None)
+        self._note_pending_seen()
         return by_addr
+
+    def _note_pending_seen(self) -> None:
+        """Remember the pending_reqs list the index now matches."""
+        pending = self.pending_reqs
+        self._pending_seen = (pending, len(pending), pending[-1] if pending else None)
 
     def _take_prefill_dp_rank_answer(
         self, bootstrap_addr: str
@@ -1412,7 +1417,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 return {}, rooms
             logger.warning(
                 f"Prefill dp-rank query to {bootstrap_addr} has not ended "
-                f"{future.timeout_s} s after it started; asking again."
+                f"{future.timeout_s} s after it was submitted; asking again."
             )
             # Its thread and connection come back now, not when the peer ends.
             future.retire()
@@ -1531,11 +1536,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             left = {id(decode_req) for decode_req in gone}
             left.update(id(decode_req) for decode_req, _ in resolved)
             self.pending_reqs = [r for r in self.pending_reqs if id(r) not in left]
-            self._pending_seen = (
-                self.pending_reqs,
-                len(self.pending_reqs),
-                self.pending_reqs[-1] if self.pending_reqs else None,
-            )
+            self._note_pending_seen()
 
         for decode_req, prefill_dp_rank in resolved:
             self._init_receiver(decode_req, prefill_dp_rank)

@@ -186,7 +186,6 @@ class _BootstrapFetch(concurrent.futures.Future):
         # The bound runs from submission: a lane holds one prefill's calls
         # only, so a wait in it is that prefill's own.
         self.submitted_at = time.monotonic()
-        self.started_at: Optional[float] = None
         # Set under the owner's lock when the task is overdue or its prefill
         # was marked failed; the body then drops its answer (_fetch_retired).
         self.retired = False
@@ -391,7 +390,6 @@ class _BootstrapFetchPool:
 
     def _run(self, addr: str, fetch: _BootstrapFetch, kwargs: dict) -> None:
         if fetch.set_running_or_notify_cancel():
-            fetch.started_at = time.monotonic()
             _current_fetch.fetch = fetch
             try:
                 result = fetch.fn(*fetch.args, **kwargs)
@@ -3603,7 +3601,7 @@ class CommonKVReceiver(BaseKVReceiver):
                 setup.retire()
             reason = (
                 f"Bootstrap info lookups to {self.bootstrap_addr} have not ended "
-                f"{setup.timeout_s} s after they started. Check the prefill's "
+                f"{setup.timeout_s} s after they were submitted. Check the prefill's "
                 f"bootstrap server and the network between the two."
             )
         else:
