@@ -21,6 +21,7 @@ Life cycle of a request in the decode server
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import random
 import time
@@ -416,6 +417,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     # length and last element (see _sync_pending_index).
     _pending_by_addr: Optional[Dict[str, _PendingPrefill]] = None
     _pending_seen: Tuple = (None, 0, None)
+    # The state log (see _log_disaggregation_state).
+    _state_logged_at: Optional[float] = None
+    _state_logged: Optional[Dict[str, int]] = None
 
     def __init__(
         self,
@@ -1571,6 +1575,30 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 f"server is healthy; the decode log has the error of each attempt.",
             )
 
+    def _log_disaggregation_state(self) -> None:
+        """Log the sizes of the decode's PD tables when they changed, at most
+        once per SGLANG_LOG_SCHEDULER_STATUS_INTERVAL: a table that does not
+        drain back when the server is idle is a leak an operator can see."""
+        now = time.monotonic()
+        if self._state_logged_at is None:
+            self._state_logged_at = now
+            return
+        interval = envs.SGLANG_LOG_SCHEDULER_STATUS_INTERVAL.get()
+        if now - self._state_logged_at < interval:
+            return
+        self._state_logged_at = now
+        state = {
+            "pending_reqs": len(self.pending_reqs),
+            "pending_prefills": len(self._pending_by_addr or ()),
+            "ensure_retry_count": len(self._ensure_retry_count),
+            "ensure_last_attempt_time": len(self._ensure_last_attempt_time),
+            "held_rebootstrap_reqs": len(self.held_rebootstrap_reqs),
+            **self.kv_manager.disaggregation_state(),
+        }
+        if state != self._state_logged:
+            self._state_logged = state
+            logger.info(f"PD decode state: {json.dumps(state)}")
+
     def pop_preallocated(
         self,
         rids_to_check: Optional[List[str]] = None,
@@ -1585,6 +1613,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             raise ValueError("rids_to_check cannot be used in PP mode")
 
         self._resolve_pending_reqs()
+        self._log_disaggregation_state()
         self._update_handshake_waiters(rids_to_check, pp_good_rids, pp_bad_rids)
         if is_pp_mode:
             rids_to_check = set(pp_good_rids) | set(pp_bad_rids)

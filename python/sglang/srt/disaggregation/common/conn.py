@@ -343,6 +343,10 @@ class _BootstrapFetchPool:
     def thread_count(self) -> int:
         return len(self._threads)
 
+    def in_flight(self) -> int:
+        """Calls queued or running (retired ones until they end)."""
+        return len(self._by_call)
+
     def _spawn_lane_threads(self) -> None:
         while True:
             item = self._spawn_queue.get()
@@ -624,6 +628,10 @@ class _OrphanedRooms:
         with self._lock:
             self._evict(time.monotonic())
             return list(self._rooms)
+
+    def count(self) -> int:
+        """Rooms remembered; no lock, for the state log."""
+        return sum(map(len, list(self._rooms.values())))
 
     def take(self, addr: str) -> Tuple[List[Tuple[str, int]], List[int]]:
         """(endpoints, rooms) to abort now that ``addr`` answered; counts a
@@ -2011,6 +2019,24 @@ class CommonKVManager(BaseKVManager):
 
     def has_parallel_info(self, bootstrap_addr: str) -> bool:
         return bootstrap_addr in self.prefill_info_table
+
+    def disaggregation_state(self) -> Dict[str, int]:
+        """Sizes of the decode's per-prefill tables, for the decode's state log:
+        one that stays above 0 while the server is idle is a leak. Sizes only,
+        read without locks."""
+        sender = CommonKVReceiver._push_sender
+        return {
+            "prefills": len(self.prefill_info_table),
+            "route_cache": len(self.connection_pool),
+            "rooms_tracked": sum(map(len, list(self.addr_to_rooms_tracker.values()))),
+            "orphaned_rooms": self._orphaned_rooms.count(),
+            "heartbeat_failures": len(self.heartbeat_failures),
+            "failure_records": len(self.failure_records),
+            "request_status": len(self.request_status),
+            "fetches_in_flight": self._parallel_info_executor.in_flight(),
+            "fetch_threads": self._parallel_info_executor.thread_count(),
+            "control_msgs_queued": sender.queued() if sender is not None else 0,
+        }
 
     def parallel_info_fetch_in_flight(self, bootstrap_addr: str) -> bool:
         """A fetch for ``bootstrap_addr`` is outstanding and within its time
