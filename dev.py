@@ -11,6 +11,10 @@
         machine, one prefill frozen mid-run; stock, then patched (tools/demo_pd.py).
         Each run calibrates the load first; patched sends the rate stock chose.
         Other arguments (e.g. --rate R) go to tools/demo_pd.py.
+    python3 dev.py soak [--minutes M] [--seed S] [--both] [--backend nixl]
+        The chaos soak: the demo's deployment under load for M minutes (10) while
+        a seeded schedule freezes, kills and restarts, and slows its prefills;
+        stock, then patched with the same schedule (tools/soak_pd.py).
     python3 dev.py bench [--quick] [--only stall|fleet]
         The scheduler stall benchmark (P1-P8) and the fleet-scale benchmark
         (P9-P12) on real PD over loopback, stock and patched.
@@ -574,6 +578,43 @@ def cmd_demo(argv: list[str]) -> int:
     return 0
 
 
+def cmd_soak(argv: list[str]) -> int:
+    """tools/soak_pd.py against stock and patched (the same fault schedule, the
+    rate stock's calibration chose), then tools/soak_report.py."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 dev.py soak")
+    ap.add_argument("--backend", choices=("mooncake", "nixl"), default="mooncake")
+    ap.add_argument("--minutes", type=float, default=10.0, help="length of the load")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the fault schedule")
+    ap.add_argument("--both", action="store_true", help="both prefills may be down")
+    ap.add_argument("--out", type=Path, default=REPO / "soak-out")
+    args, rest = ap.parse_known_args(argv)
+    start = time.monotonic()
+    ensure_system_packages()
+    out = args.out.resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    common = ["--backend", args.backend, "--minutes", str(args.minutes)]
+    common += ["--seed", str(args.seed), *(["--both"] if args.both else []), *rest]
+    variant_args = {v: ["--out", str(out / v)] for v in VARIANTS}
+    variant_args["patched"] += ["--rate-from", str(out / "stock")]
+    if not _run_both(
+        "soak_pd.py",
+        common,
+        variant_args,
+        stock_files=cpu_enabled_stock_files(cache_dir()),
+    ):
+        log(f"logs are in {out}")
+        return 1
+    report = [venv_python(cache_dir()), REPO / "tools" / "soak_report.py"]
+    report += [out / "stock", out / "patched", "--out", out]
+    if _run(report, env=tool_env()) != 0:
+        return 1
+    log(f"report: {out / 'report.md'}, plot: {out / 'soak.png'}")
+    log(f"whole soak took {time.monotonic() - start:.0f} s")
+    return 0
+
+
 def cmd_bench(argv: list[str]) -> int:
     """tools/bench_stall.py against stock 0.5.23 and the patch, then the report."""
     import argparse
@@ -617,6 +658,7 @@ def cmd_faults(argv: list[str]) -> int:
 USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
        python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
+       python3 dev.py soak [--minutes M] [--seed S] [--both] [--backend nixl] [--out DIR]
        python3 dev.py bench [--quick] [--only stall|fleet] [--out DIR]
        python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
@@ -715,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_test(argv[1:])
     if argv[:1] == ["demo"]:
         return cmd_demo(argv[1:])
+    if argv[:1] == ["soak"]:
+        return cmd_soak(argv[1:])
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
     if argv[:1] == ["faults"]:
