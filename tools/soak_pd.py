@@ -584,42 +584,34 @@ FAILURE_LINE = re.compile(
 )
 
 
-def decode_failure_lines(log_path: Path, t0_wall: float) -> Dict[str, int]:
-    """The decode's own log of the requests it failed since ``t0_wall``: the
-    lines that go with sglang:num_{bootstrap,transfer}_failed_reqs_total (the
-    request log misses those the router cancelled)."""
+def read_decode_log(log_path: Path, t0_wall: float) -> tuple:
+    """From the decode's log: its ``PD decode state`` lines (the patch logs one
+    when its tables change, at most every SGLANG_LOG_SCHEDULER_STATUS_INTERVAL;
+    stock logs none), and how many requests it failed since ``t0_wall`` by
+    kind: the lines that go with sglang:num_{bootstrap,transfer}_failed_reqs_total
+    (the request log misses those the router cancelled)."""
     from datetime import datetime
 
-    counts = {"handshake": 0, "transfer": 0}
+    states: List[dict] = []
+    failures = {"handshake": 0, "transfer": 0}
     try:
         text = log_path.read_text(errors="replace")
     except OSError:
-        return counts
-    for line in text.splitlines():
-        m = FAILURE_LINE.match(line)
-        if m:
-            ts = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
-            if ts >= int(t0_wall):
-                counts[m.group(2)] += 1
-    return counts
-
-
-def decode_state_lines(log_path: Path) -> List[dict]:
-    """The decode's periodic state lines (the patch logs them when
-    SGLANG_LOG_SCHEDULER_STATUS_INTERVAL is set; stock does not)."""
-    rows = []
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return rows
+        return states, failures
     for line in text.splitlines():
         m = STATE_LINE.search(line)
         if m:
             try:
-                rows.append(json.loads(m.group(1)))
+                states.append(json.loads(m.group(1)))
             except ValueError:
-                continue
-    return rows
+                pass
+            continue
+        m = FAILURE_LINE.match(line)
+        if m:
+            ts = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+            if ts >= int(t0_wall):
+                failures[m.group(2)] += 1
+    return states, failures
 
 
 # --------------------------------------------------------------------------
@@ -828,8 +820,7 @@ def run(args, procs: SoakProcesses) -> dict:
     rows.sort(key=lambda r: r["t_send"])
     # Give the decode one more state log interval, then read its last line.
     time.sleep(STATE_LOG_INTERVAL_S + 1)
-    states = decode_state_lines(out / "decode.log")
-    failures = decode_failure_lines(out / "decode.log", t0_wall)
+    states, failures = read_decode_log(out / "decode.log", t0_wall)
     mem.stop_event.set()
     return {
         "variant": variant,

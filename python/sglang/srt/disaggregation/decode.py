@@ -1211,7 +1211,11 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                     error_message,
                     status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
                 )
-                if self.scheduler.metrics_reporter.enable_metrics:
+                # The server's own /health probe (a fake transfer) is aborted
+                # here when its caller gives up; no client request failed.
+                if self.scheduler.metrics_reporter.enable_metrics and not (
+                    _is_fake_transfer(decode_req.req)
+                ):
                     self.scheduler.metrics_collector.increment_bootstrap_failed_reqs()
             else:
                 raise ValueError(f"Unexpected poll case: {poll}")
