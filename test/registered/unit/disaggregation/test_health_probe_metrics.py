@@ -46,11 +46,14 @@ class TestHealthProbeIsNotABootstrapFailure(CustomTestCase):
             metrics_reporter=SimpleNamespace(enable_metrics=True),
             metrics_collector=mock.MagicMock(),
         )
-        with mock.patch.object(
-            decode_mod,
-            "poll_and_all_reduce",
-            return_value=[KVPoll.Failed, KVPoll.Failed],
-        ), mock.patch.object(decode_mod, "prepare_abort") as prepare_abort:
+        with (
+            mock.patch.object(
+                decode_mod,
+                "poll_and_all_reduce",
+                return_value=[KVPoll.Failed, KVPoll.Failed],
+            ),
+            mock.patch.object(decode_mod, "prepare_abort") as prepare_abort,
+        ):
             queue._update_handshake_waiters()
 
         # Both are ended; one is a client's bootstrap failure.
