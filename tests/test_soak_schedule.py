@@ -35,7 +35,9 @@ def test_never_both_down_and_one_fault_per_prefill_at_a_time(minutes):
     for seed in range(50):
         faults = soak_pd.make_schedule(minutes, seed)
         assert faults and faults[0]["kind"] == "kill_restart"
+        longest = {"slow": soak_pd.SLOW_S[1], "kill_restart": soak_pd.RESTART_RESERVE_S}
         for f in faults:
+            assert f["duration"] <= longest.get(f["kind"], soak_pd.FREEZE_S[1]), f
             assert soak_pd.LEAD_S <= f["start"]
             assert f["start"] + f["duration"] <= total - soak_pd.TAIL_S + 0.1
         for a, b in itertools.combinations(faults, 2):

@@ -159,10 +159,10 @@ def make_schedule(minutes: float, seed: int, both: bool = False) -> List[dict]:
         else:
             dur = rng.uniform(*FREEZE_S)
         if t + dur > end:
-            # The longest kinds may not fit; a short freeze might.
-            dur = min(dur, FREEZE_S[1]) if kind != "kill_restart" else dur
-            kind = kind if kind != "kill_restart" else "bootstrap_freeze"
-            dur = min(dur, end - t)
+            # The longest kinds may not fit; a freeze of at most FREEZE_S might.
+            if kind == "kill_restart":
+                kind = "bootstrap_freeze"
+            dur = min(dur, FREEZE_S[1], end - t)
             if dur < FREEZE_S[0]:
                 break
         fault = {"kind": kind, "target": target, "start": round(t, 1)}
@@ -500,10 +500,6 @@ class FaultRunner(threading.Thread):
 # samplers
 
 
-def _tree(procs: Processes, name: str) -> List[psutil.Process]:
-    return procs.tree(name)
-
-
 class ResourceSampler(threading.Thread):
     """The decode's threads, open fds and RSS (all its processes), and the
     scheduler process's alone, every ``interval`` seconds."""
@@ -516,7 +512,7 @@ class ResourceSampler(threading.Thread):
 
     def sample(self) -> dict:
         row = {"t": time.monotonic() - self.t0, "threads": 0, "fds": 0, "rss": 0}
-        for p in _tree(self.procs, "decode"):
+        for p in self.procs.tree("decode"):
             try:
                 with p.oneshot():
                     threads, fds = p.num_threads(), p.num_fds()
@@ -538,12 +534,15 @@ class ResourceSampler(threading.Thread):
             self.sample()
 
 
-METRICS = (
+FAILED_METRICS = (
     "sglang:num_bootstrap_failed_reqs_total",
     "sglang:num_transfer_failed_reqs_total",
+)
+GAUGES = (
     "sglang:num_decode_prealloc_queue_reqs",
     "sglang:num_decode_transfer_queue_reqs",
 )
+METRICS = FAILED_METRICS + GAUGES
 
 
 def scrape_metrics(url: str) -> Optional[Dict[str, float]]:
@@ -651,7 +650,7 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def choose_load(args, dep: Deployment, variant: dict, mem) -> tuple:
+def choose_load(args, dep: Deployment, variant: dict) -> tuple:
     if args.rate is not None:
         return args.rate, {"source": "--rate", "rate": args.rate}, None
     if args.rate_from is not None:
@@ -713,7 +712,7 @@ def run(args, procs: SoakProcesses) -> dict:
     bad = [r for r in warm.rows if r["outcome"] != "ok"]
     if bad:
         raise RuntimeError(f"warm-up requests failed: {bad}")
-    rate, rate_choice, calibration = choose_load(args, dep, variant, mem)
+    rate, rate_choice, calibration = choose_load(args, dep, variant)
     time.sleep(2.0)
 
     t0 = time.monotonic()

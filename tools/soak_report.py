@@ -22,9 +22,8 @@ from demo_report import (  # noqa: E402
     load,
     quantile,
 )
+from soak_pd import DOWN_KINDS, FAILED_METRICS, GAUGES, PREFILLS  # noqa: E402
 
-PREFILLS = ("prefill1", "prefill2")
-DOWN_KINDS = ("bootstrap_freeze", "scheduler_freeze", "kill_restart")
 HEALTH_GOAL_S = 2.5
 # After a fault ends, its /health polls are looked at this much longer: the
 # decode catches up then.
@@ -55,14 +54,6 @@ TABLES_BOUNDED = {
     "heartbeat_failures": 2,
     "fetch_threads": 14,
 }
-FAILED_METRICS = (
-    "sglang:num_bootstrap_failed_reqs_total",
-    "sglang:num_transfer_failed_reqs_total",
-)
-GAUGES = (
-    "sglang:num_decode_prealloc_queue_reqs",
-    "sglang:num_decode_transfer_queue_reqs",
-)
 
 
 def _f(x: Optional[float], digits: int = 2) -> str:
