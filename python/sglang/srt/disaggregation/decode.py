@@ -419,6 +419,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     _pending_seen: Tuple = (None, 0, None)
     # The state log (see _log_disaggregation_state).
     _state_logged_at: Optional[float] = None
+    _state_log_interval: float = 0.0
     _state_logged: Optional[Dict[str, int]] = None
 
     def __init__(
@@ -1586,9 +1587,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         now = time.monotonic()
         if self._state_logged_at is None:
             self._state_logged_at = now
+            # Read once: this runs every cycle, the knob is set at launch.
+            self._state_log_interval = envs.SGLANG_LOG_SCHEDULER_STATUS_INTERVAL.get()
             return
-        interval = envs.SGLANG_LOG_SCHEDULER_STATUS_INTERVAL.get()
-        if now - self._state_logged_at < interval:
+        if now - self._state_logged_at < self._state_log_interval:
             return
         self._state_logged_at = now
         state = {
