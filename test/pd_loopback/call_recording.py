@@ -10,11 +10,13 @@ thread, with the most in flight at once per prefill and kind.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+from urllib.parse import urlsplit
 
 
 @dataclass
@@ -107,8 +109,8 @@ def _http_kind(method: str, url: str) -> str:
 
 
 class HttpLog:
-    """Every HTTP request this process sends through urllib3 (so requests),
-    from any thread: its kind, port, thread and duration, and the most ever
+    """Every HTTP request this process sends through urllib3 (so requests)
+    or the patch's bootstrap client, from any thread: its kind, port, thread and duration, and the most ever
     in flight at once per (port, kind). Kinds: "info" (parallel info),
     "route" (per-rank lookup), "dp_ranks", and the last path segment of
     anything else (e.g. "health")."""
@@ -132,33 +134,55 @@ class HttpLog:
         log = self
 
         def urlopen(pool, method, url, *args, **kwargs):
-            key = (int(pool.port), _http_kind(method, url))
-            with log.lock:
-                log.current[key] = log.current.get(key, 0) + 1
-                log.peak[key] = max(log.peak.get(key, 0), log.current[key])
-                t0 = time.perf_counter()
-                log.first.setdefault(key[0], t0)
-            error = None
-            try:
+            with log.track(int(pool.port), _http_kind(method, url)):
                 return original(pool, method, url, *args, **kwargs)
-            except BaseException as e:
-                error = type(e).__name__
-                raise
-            finally:
-                with log.lock:
-                    log.current[key] -= 1
-                    log.records.append(
-                        (
-                            t0,
-                            time.perf_counter(),
-                            key[0],
-                            key[1],
-                            threading.current_thread().name,
-                            error,
-                        )
-                    )
 
         urllib3.connectionpool.HTTPConnectionPool.urlopen = urlopen
+
+        # The patch's own keep-alive client for bootstrap queries and probes
+        # (http.client, not urllib3); stock has none.
+        from sglang.srt.disaggregation.common import conn
+
+        bootstrap_http = getattr(conn, "_BootstrapHTTP", None)
+        if bootstrap_http is not None:
+            original_request = bootstrap_http.request
+
+            def request(client, method, url, **kwargs):
+                parts = urlsplit(url)
+                kind = _http_kind(method, f"{parts.path}?{parts.query}")
+                with log.track(int(parts.port), kind):
+                    return original_request(client, method, url, **kwargs)
+
+            bootstrap_http.request = request
+
+    @contextlib.contextmanager
+    def track(self, port: int, kind: str):
+        """Count one request to ``port`` of ``kind`` while it runs."""
+        key = (port, kind)
+        with self.lock:
+            self.current[key] = self.current.get(key, 0) + 1
+            self.peak[key] = max(self.peak.get(key, 0), self.current[key])
+            t0 = time.perf_counter()
+            self.first.setdefault(key[0], t0)
+        error = None
+        try:
+            yield
+        except BaseException as e:
+            error = type(e).__name__
+            raise
+        finally:
+            with self.lock:
+                self.current[key] -= 1
+                self.records.append(
+                    (
+                        t0,
+                        time.perf_counter(),
+                        key[0],
+                        key[1],
+                        threading.current_thread().name,
+                        error,
+                    )
+                )
 
     def reset_peaks(self) -> None:
         with self.lock:

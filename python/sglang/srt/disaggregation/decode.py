@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 import random
 import time
 from collections import deque
@@ -413,10 +414,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     Store the requests that are preallocating.
     """
 
-    # pending_reqs by prefill as the last cycle saw them, and that list, its
-    # length and last element (see _sync_pending_index).
+    # pending_reqs by prefill as the last cycle saw them, and a copy of the
+    # list it was built from (see _sync_pending_index).
     _pending_by_addr: Optional[Dict[str, _PendingPrefill]] = None
-    _pending_seen: Tuple = (None, 0, None)
+    _pending_seen: Tuple = ()
     # The state log (see _log_disaggregation_state).
     _state_logged_at: Optional[float] = None
     _state_log_interval: float = 0.0
@@ -1379,19 +1380,20 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
     def _sync_pending_index(self) -> Dict[str, _PendingPrefill]:
         """The pending requests by prefill, kept from cycle to cycle so that a
-        cycle only looks again at what changed. Callers append to and assign
-        ``pending_reqs`` directly: requests appended since the last cycle are
-        added here; any other change to the list rebuilds the index."""
+        cycle only looks again at what changed. Callers append to, assign and
+        reorder ``pending_reqs`` directly, so the list is compared, element by
+        element and by identity, with a copy of the one the index was built
+        from: requests appended since are added; any other change rebuilds
+        the index. The comparison is one pass in C, not a walk per request."""
         pending = self.pending_reqs
         by_addr = self._pending_by_addr
-        seen, seen_len, seen_last = self._pending_seen
+        seen = self._pending_seen
         if (
             by_addr is not None
-            and pending is seen
-            and len(pending) >= seen_len
-            and (seen_len == 0 or pending[seen_len - 1] is seen_last)
+            and len(pending) >= len(seen)
+            and all(map(operator.is_, pending, seen))
         ):
-            new = pending[seen_len:]
+            new = pending[len(seen) :]
         else:
             by_addr = self._pending_by_addr = {}
             new = pending
@@ -1403,13 +1405,13 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 entry = by_addr[bootstrap_addr] = _PendingPrefill()
             entry.reqs.append(decode_req)
             entry.fresh = True
-        self._note_pending_seen()
+        if new:
+            self._note_pending_seen()
         return by_addr
 
     def _note_pending_seen(self) -> None:
-        """Remember the pending_reqs list the index now matches."""
-        pending = self.pending_reqs
-        self._pending_seen = (pending, len(pending), pending[-1] if pending else None)
+        """Remember the pending_reqs the index now matches."""
+        self._pending_seen = tuple(self.pending_reqs)
 
     def _take_prefill_dp_rank_answer(
         self, bootstrap_addr: str
@@ -1441,6 +1443,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             return {}, ()
 
     def _cancel_prefill_dp_rank_queries(self) -> None:
+        # Some pending requests waited for these answers: look at all of
+        # them again.
+        self._pending_by_addr = None
         for _, future in self._prefill_dp_rank_queries.values():
             future.cancel()
         self._prefill_dp_rank_queries.clear()
@@ -1456,7 +1461,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         if not self.pending_reqs:
             self._cancel_prefill_dp_rank_queries()
             self._drop_idle_ensure_state()
-            self._pending_by_addr = None
+            self._pending_seen = ()
             return
 
         pending = self._sync_pending_index()
@@ -1467,8 +1472,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             # Pass 1: ensure parallel info; a cached one is a dict lookup, as
             # in add().
             if bootstrap_addr in self.kv_manager.prefill_info_table:
-                if entry.fresh:
-                    self._clear_ensure_state(bootstrap_addr)
+                # Also when the info landed while the entry waited for it.
+                self._clear_ensure_state(bootstrap_addr)
             elif not entry.fresh and self.kv_manager.parallel_info_fetch_in_flight(
                 bootstrap_addr
             ):
@@ -1524,10 +1529,13 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                     if self._dp_rank_query_due(bootstrap_addr, decode_req, now):
                         due.append(decode_req)
                     else:
+                        # Not due: it was asked within the retry interval.
+                        last_attempt = self._ensure_last_attempt_time.get(
+                            (bootstrap_addr, room), now
+                        )
                         entry.dp_recheck_at = min(
                             entry.dp_recheck_at,
-                            self._ensure_last_attempt_time[(bootstrap_addr, room)]
-                            + self._ensure_retry_interval,
+                            last_attempt + self._ensure_retry_interval,
                         )
                 if due and bootstrap_addr not in self._prefill_dp_rank_queries:
                     self._submit_prefill_dp_rank_query(bootstrap_addr, due, now)
@@ -1599,8 +1607,11 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             "ensure_retry_count": len(self._ensure_retry_count),
             "ensure_last_attempt_time": len(self._ensure_last_attempt_time),
             "held_rebootstrap_reqs": len(self.held_rebootstrap_reqs),
-            **self.kv_manager.disaggregation_state(),
         }
+        # Only CommonKVManager has PD tables (not FakeKVManager).
+        manager_state = getattr(self.kv_manager, "disaggregation_state", None)
+        if manager_state is not None:
+            state.update(manager_state())
         if state != self._state_logged:
             self._state_logged = state
             logger.info(f"PD decode state: {json.dumps(state)}")
@@ -2342,8 +2353,11 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         it until the heartbeat gives up."""
         if _is_fake_transfer(decode_req.req):
             return False
-        addr = _bootstrap_addr(decode_req.req)
-        return self.kv_manager.heartbeat_failures.get(addr, 0) > 0
+        # Only CommonKVManager has a heartbeat (not FakeKVManager).
+        heartbeat_failures = getattr(self.kv_manager, "heartbeat_failures", None)
+        if not heartbeat_failures:
+            return False
+        return heartbeat_failures.get(_bootstrap_addr(decode_req.req), 0) > 0
 
     def _active_reserved_tokens(
         self, n_active: Optional[int] = None, extra_reserved_reqs: int = 0

@@ -12,17 +12,14 @@ the connection cases use a silent HTTP server on 127.0.0.1.
 
 import threading
 import unittest
-from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import MethodType, SimpleNamespace
 from unittest import mock
 
-import requests
-
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.common import conn as conn_mod
-from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -35,6 +32,7 @@ from test_no_network_on_scheduler_thread import (
     fake_clock_and_manager,
     make_decode_manager,
     make_queue,
+    patch_early_policy,
 )
 from test_parallel_info_nonblocking import FakeGet, FakeResponse, patch_get
 
@@ -157,20 +155,78 @@ class TestBootstrapFetchPool(CustomTestCase):
             queued.result(timeout=_WAIT_S)
         self.assertFalse(conn_mod.bootstrap_fetch_overdue(queued))
 
+    def test_every_task_is_counted_in_flight(self):
+        entered = threading.Semaphore(0)
+        # A dp-rank query takes a list, a rebootstrap call a dict payload:
+        # neither hashes, and both count.
+        tasks = [
+            self.pool.submit(lambda addr, rooms: self.release.wait(_WAIT_S), ADDR, [1]),
+            self.pool.submit(
+                lambda receiver, payload: self.release.wait(_WAIT_S),
+                SimpleNamespace(bootstrap_addr=ADDR),
+                {"rid": "r"},
+            ),
+            self.hang(ADDR, entered),
+        ]
+        self.assertEqual(self.pool.in_flight(), 3)
+        self.release.set()
+        for task in tasks:
+            task.result(timeout=_WAIT_S)
+        self.assertEqual(self.pool.in_flight(), 0)
+
+    def test_a_retired_queued_task_never_runs(self):
+        entered = threading.Semaphore(0)
+        for _ in range(self.WORKERS):  # the lane's threads, all busy
+            self.hang(ADDR, entered)
+        ran = threading.Event()
+        queued = self.pool.submit(lambda addr: ran.set(), ADDR)
+        queued.retire()
+        self.assertTrue(queued.cancelled())
+        self.assertEqual(self.pool.in_flight(), self.WORKERS)
+        self.release.set()
+        # Barrier: a task submitted after it has run on the same lane.
+        self.pool.submit(lambda addr: None, ADDR).result(timeout=_WAIT_S)
+        self.assertFalse(ran.is_set())
+
     def test_a_plain_future_has_no_bound(self):
         with ThreadPoolExecutor(1) as plain:
             self.assertFalse(conn_mod.bootstrap_fetch_overdue(plain.submit(int)))
 
 
 class SilentHandler(BaseHTTPRequestHandler):
-    """Takes a request in, then answers nothing until released."""
+    """Takes a request in and sends the first bytes of an answer (a peer
+    that answers a byte at a time keeps each read alive), then nothing
+    more until released."""
 
     def do_GET(self):
+        self.wfile.write(b"HTTP/1.1 2")
+        self.wfile.flush()
         self.server.arrived.set()
-        self.server.release.wait(_WAIT_S)
+        self.server.release.wait(10 * _WAIT_S)  # longer than any wait here
 
     def log_message(self, *args):
         pass
+
+
+def start_server(test: CustomTestCase, handler) -> ThreadingHTTPServer:
+    """An HTTP server on 127.0.0.1 with a ``release`` Event, stopped (and
+    released) when ``test`` ends; its "host:port" is ``httpd.addr``."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    httpd.release = threading.Event()
+    test.addCleanup(httpd.server_close)
+    test.addCleanup(httpd.shutdown)
+    test.addCleanup(httpd.release.set)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    httpd.addr = f"127.0.0.1:{httpd.server_address[1]}"
+    return httpd
+
+
+class NoTimeoutHTTP(conn_mod._BootstrapHTTP):
+    """Reads that outlast the test: only a shutdown of the socket ends them."""
+
+    def request(self, method, url, *, json_body=None, timeout=5):
+        return super().request(method, url, json_body=json_body, timeout=10 * _WAIT_S)
 
 
 class TestRetiredFetchConnection(CustomTestCase):
@@ -179,51 +235,174 @@ class TestRetiredFetchConnection(CustomTestCase):
 
     def setUp(self):
         super().setUp()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), SilentHandler)
-        self.server.daemon_threads = True
+        self.server = start_server(self, SilentHandler)
         self.server.arrived = threading.Event()
-        self.server.release = threading.Event()
-        self.addCleanup(self.server.server_close)
-        self.addCleanup(self.server.shutdown)
-        self.addCleanup(self.server.release.set)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.addr = f"127.0.0.1:{self.server.server_address[1]}"
+        self.addr = self.server.addr
         self.pool = conn_mod._BootstrapFetchPool("test-retire")
         self.addCleanup(self.pool.shutdown, wait=False, cancel_futures=True)
+        patcher = mock.patch.object(conn_mod, "_bootstrap_http", NoTimeoutHTTP())
+        patcher.start()
+        self.addCleanup(patcher.stop)
 
     def assert_thread_comes_back(self, fetch):
         self.assertTrue(self.server.arrived.wait(_WAIT_S))
         fetch.retire()
-        with self.assertRaises(requests.RequestException):
-            fetch.result(timeout=_WAIT_S)
+        result = fetch.result(timeout=_WAIT_S)
         self.assertFalse(self.server.release.is_set())  # the peer never answered
+        return result
 
-    def test_a_retired_query_on_a_shared_session_is_cut_off(self):
-        def query(addr):
-            with conn_mod._bootstrap_session(addr) as session:
-                # Longer than the safety net: only the shutdown ends it in time.
-                return session.get(f"http://{addr}/route", timeout=10 * _WAIT_S)
+    def test_a_retired_route_lookup_is_cut_off(self):
+        receiver = CommonKVReceiver.__new__(CommonKVReceiver)
+        receiver.bootstrap_addr = self.addr
+        with self.assertNoLogs(conn_mod.logger, "ERROR"):  # cut off on purpose
+            lookup = self.pool.submit(
+                receiver._get_bootstrap_info_from_server, 0, 0, 0, 0
+            )
+            self.assertIsNone(self.assert_thread_comes_back(lookup))
+        # Its connection is not handed to the next query.
+        self.assertEqual(conn_mod._bootstrap_http.idle_count(), 0)
 
-        self.assert_thread_comes_back(self.pool.submit(query, self.addr))
-        # Its session is not handed to the next query.
-        self.assertEqual(conn_mod._idle_bootstrap_sessions.get(self.addr, []), [])
+    def test_shutdown_cuts_a_running_fetch_off(self):
+        receiver = CommonKVReceiver.__new__(CommonKVReceiver)
+        receiver.bootstrap_addr = self.addr
+        lookup = self.pool.submit(receiver._get_bootstrap_info_from_server, 0, 0, 0, 0)
+        self.assertTrue(self.server.arrived.wait(_WAIT_S))
+        # Teardown waits on no prefill: shutdown(wait=True) returns.
+        shutdown = threading.Thread(target=self.pool.shutdown, daemon=True)
+        shutdown.start()
+        shutdown.join(_WAIT_S)
+        self.assertFalse(shutdown.is_alive())
+        self.assertIsNone(lookup.result(timeout=0))
+        self.assertFalse(self.server.release.is_set())
 
     def test_a_heartbeat_probe_left_unanswered_fails_and_is_cut_off(self):
-        mgr = SimpleNamespace(
-            session_pool=defaultdict(conn_mod._new_bootstrap_session),
-            session_pool_lock=threading.Lock(),
-        )
         probe = self.pool.submit_to(
             "health",
             conn_mod.HEARTBEAT_PROBE_TIMEOUT_S,
-            MethodType(CommonKVManager._probe_prefill_health, mgr),
+            MethodType(CommonKVManager._probe_prefill_health, SimpleNamespace()),
             self.addr,
         )
-        self.assertTrue(self.server.arrived.wait(_WAIT_S))
+        self.assertFalse(self.assert_thread_comes_back(probe))
 
-        self.assertFalse(CommonKVManager._heartbeat_probe_answered(probe))
-        self.assertFalse(probe.result(timeout=_WAIT_S))
-        self.assertFalse(self.server.release.is_set())
+
+class KeepAliveHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 with keep-alive: /route answers at once; /query_dp_ranks
+    only once released. Counts the connections it accepted."""
+
+    protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        super().setup()
+        self.server.connections += 1
+
+    def answer(self, body: bytes):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.answer(b'{"rank_ip": "127.0.0.1", "rank_port": 1}')
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.held.set()
+        self.server.release.wait(_WAIT_S)
+        if self.server.at_once is not None:
+            self.server.at_once.wait()
+        self.answer(b'{"1": 0}')
+
+    def log_message(self, *args):
+        pass
+
+
+class KeepAliveServer:
+    def __init__(self, test: CustomTestCase):
+        self.httpd = start_server(test, KeepAliveHandler)
+        self.httpd.connections = 0
+        self.httpd.at_once = None  # a Barrier: answer once that many are in
+        self.httpd.held = threading.Event()
+        self.addr = self.httpd.addr
+
+
+class TestFetchesOwnTheirConnections(CustomTestCase):
+    """Keep-alive connections to one prefill pass from fetch to fetch; a
+    socket is shut down only by the fetch that is reading on it then."""
+
+    def setUp(self):
+        super().setUp()
+        self.server = KeepAliveServer(self)
+        self.http = conn_mod._BootstrapHTTP()
+        patcher = mock.patch.object(conn_mod, "_bootstrap_http", self.http)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        self.pool = conn_mod._BootstrapFetchPool("test-own")
+        self.addCleanup(self.pool.shutdown, wait=False, cancel_futures=True)
+        self.receiver = CommonKVReceiver.__new__(CommonKVReceiver)
+        self.receiver.bootstrap_addr = self.server.addr
+
+    def test_retiring_a_fetch_leaves_another_fetchs_connection_alone(self):
+        looked_up = threading.Event()
+        release = threading.Event()
+        self.addCleanup(release.set)
+
+        def route_setup(addr):
+            # Several lookups, on one keep-alive connection, then it waits.
+            for tp_rank in range(3):
+                self.assertIsNotNone(
+                    self.receiver._get_bootstrap_info_from_server(0, 0, tp_rank, 0)
+                )
+            looked_up.set()
+            release.wait(_WAIT_S)
+
+        setup = self.pool.submit(route_setup, self.server.addr)
+        self.assertTrue(looked_up.wait(_WAIT_S))
+        # Another fetch of the same prefill takes that connection over.
+        query = self.pool.submit(
+            CommonKVReceiver.query_prefill_dp_ranks, self.server.addr, [1]
+        )
+        self.assertTrue(self.server.httpd.held.wait(_WAIT_S))
+        setup.retire()
+        self.server.httpd.release.set()
+
+        self.assertEqual(query.result(timeout=_WAIT_S), {"1": 0})
+        self.assertEqual(self.server.httpd.connections, 1)
+
+    def test_threads_share_connections_instead_of_holding_one_each(self):
+        for tp_rank in range(8):  # eight threads, one after the other
+            lookup = self.pool.submit(
+                self.receiver._get_bootstrap_info_from_server, 0, 0, tp_rank, 0
+            )
+            self.assertIsNotNone(lookup.result(timeout=_WAIT_S))
+        self.assertEqual(self.server.httpd.connections, 1)
+        self.assertEqual(self.http.idle_count(), 1)
+
+    def test_idle_connections_per_prefill_are_capped_then_closed(self):
+        self.server.httpd.release.set()
+        self.server.httpd.at_once = threading.Barrier(4, timeout=_WAIT_S)
+        pool = conn_mod._BootstrapFetchPool("test-cap", lane_workers={"bootstrap": 4})
+        self.addCleanup(pool.shutdown, wait=False, cancel_futures=True)
+        queries = [  # four at once
+            pool.submit(CommonKVReceiver.query_prefill_dp_ranks, self.server.addr, [1])
+            for _ in range(4)
+        ]
+        for future in queries:
+            self.assertEqual(future.result(timeout=_WAIT_S), {"1": 0})
+
+        self.assertEqual(self.server.httpd.connections, 4)
+        self.assertEqual(self.http.idle_count(), conn_mod.BOOTSTRAP_HTTP_IDLE_MAX)
+        clock = FakeClock()
+        clock.now = conn_mod.time.monotonic() + conn_mod.BOOTSTRAP_HTTP_IDLE_S + 1
+        with mock.patch.object(conn_mod, "time", clock):
+            self.http.sweep()
+        self.assertEqual(self.http.idle_count(), 0)
+
+    def test_a_failed_prefills_idle_connections_are_closed(self):
+        self.assertIsNotNone(self.receiver._get_bootstrap_info_from_server(0, 0, 0, 0))
+        self.assertEqual(self.http.idle_count(), 1)
+        self.http.forget(self.server.addr)
+        self.assertEqual(self.http.idle_count(), 0)
 
 
 class TestOverdueParallelInfoFetch(CustomTestCase):
@@ -271,6 +450,34 @@ class TestOverdueParallelInfoFetch(CustomTestCase):
         self.fetches[0].result(timeout=_WAIT_S)
         self.assertFalse(self.mgr.has_parallel_info(ADDR))
         self.assertIn("marker-of-a-newer-fetch", self.mgr._parallel_info_inflight)
+
+    def test_info_landing_in_the_background_clears_its_retry_count(self):
+        fake = self.patch_get(FakeGet("block"))
+        patch_early_policy(self)
+        queue = make_queue(self.mgr)
+        queue.pending_reqs.append(
+            SimpleNamespace(
+                req=SimpleNamespace(
+                    bootstrap_host="127.0.0.1",
+                    bootstrap_port=8998,
+                    bootstrap_room=1,
+                    disagg_prefill_dp_rank=0,
+                ),
+                kv_receiver=mock.MagicMock(bootstrap_room=1),
+            )
+        )
+        queue._resolve_pending_reqs()  # attempt 1 starts
+        self.assertTrue(fake.entered.wait(_WAIT_S))
+        queue._resolve_pending_reqs()  # waits for it, no news
+        self.assertEqual(queue._ensure_retry_count, {ADDR: 1})
+
+        fake.release.set()  # the info lands between two cycles
+        self.fetches[0].result(timeout=_WAIT_S)
+        queue._resolve_pending_reqs()
+
+        self.assertEqual(queue.pending_reqs, [])
+        self.assertEqual(queue._ensure_retry_count, {})
+        self.assertEqual(queue._ensure_last_attempt_time, {})
 
     def test_the_abort_counts_real_attempts_only(self):
         fake = self.patch_get(FakeGet("block", FakeResponse(503)))
@@ -402,52 +609,6 @@ class TestParallelInfoThroughTheFetchPool(CustomTestCase):
         self.assertNotIn(ADDR, mgr.prefill_info_table)
         with self.assertRaisesRegex(RuntimeError, "KV layout mismatch"):
             mgr.try_ensure_parallel_info(ADDR)
-
-
-class TestBootstrapSessions(CustomTestCase):
-    def setUp(self):
-        super().setUp()
-        conn_mod._idle_bootstrap_sessions.clear()
-        self.addCleanup(conn_mod._idle_bootstrap_sessions.clear)
-        self.created = []
-        patcher = mock.patch.object(conn_mod.requests, "Session", self.new_session)
-        patcher.start()
-        self.addCleanup(patcher.stop)
-
-    def new_session(self):
-        self.created.append(mock.MagicMock())
-        return self.created[-1]
-
-    def test_pool_threads_share_sessions_instead_of_holding_one_each(self):
-        def use():
-            with conn_mod._bootstrap_session(ADDR):
-                pass
-
-        for _ in range(8):  # eight threads, one after the other
-            thread = threading.Thread(target=use)
-            thread.start()
-            thread.join(_WAIT_S)
-
-        self.assertEqual(len(self.created), 1)
-
-    def test_idle_sessions_per_prefill_are_capped(self):
-        inside = threading.Barrier(6)
-
-        def use():
-            with conn_mod._bootstrap_session(ADDR):
-                inside.wait(_WAIT_S)  # six queries at once
-
-        threads = [threading.Thread(target=use) for _ in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(_WAIT_S)
-
-        self.assertEqual(len(self.created), 6)
-        idle = conn_mod._idle_bootstrap_sessions[ADDR]
-        self.assertEqual(len(idle), conn_mod._BOOTSTRAP_SESSIONS_IDLE_MAX)
-        closed = [s for s in self.created if s.close.called]
-        self.assertEqual(len(closed), 6 - conn_mod._BOOTSTRAP_SESSIONS_IDLE_MAX)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from sglang.srt.disaggregation.common.conn import (
     KVTransferError,
 )
 from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
+from sglang.srt.disaggregation.fake.conn import FakeKVManager
 from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -78,18 +79,23 @@ class PrefillRank:
         return self.sock.recv_multipart()
 
 
+def isolate_push_sender(test: CustomTestCase) -> None:
+    """A fresh sender and socket cache for ``test``, so nothing leaks between
+    tests."""
+    for name, value in (
+        ("_push_sender", None),
+        ("_socket_cache", {}),
+        ("_socket_locks", {}),
+    ):
+        patcher = mock.patch.object(CommonKVReceiver, name, value)
+        patcher.start()
+        test.addCleanup(patcher.stop)
+
+
 class _Base(CustomTestCase):
     def setUp(self):
         super().setUp()
-        # A fresh sender and socket cache per test, so nothing leaks between.
-        for name, value in (
-            ("_push_sender", None),
-            ("_socket_cache", {}),
-            ("_socket_locks", {}),
-        ):
-            patcher = mock.patch.object(CommonKVReceiver, name, value)
-            patcher.start()
-            self.addCleanup(patcher.stop)
+        isolate_push_sender(self)
         self.mgr = make_decode_manager()
         self.addCleanup(self.mgr._parallel_info_executor.shutdown, wait=False)
         self.mgr.local_ip = "127.0.0.1"
@@ -163,11 +169,27 @@ class TestPushSender(_Base):
         # Routes to a prefill rank that cannot be reached are fetched again.
         self.assertNotIn(f"{ADDR}_0_0_0", self.mgr.connection_pool)
 
+    def test_an_aborted_request_leaves_no_failure_record(self):
+        receiver = CommonKVReceiver(self.mgr, ADDR, 30)
+        receiver.abort()  # by its client, in the prealloc queue
+        receiver.clear()  # pop_preallocated drops it without failure_exception()
+        self.assertEqual(self.mgr.failure_records, {})
+
+    def test_a_late_send_failure_of_an_ended_request_records_nothing(self):
+        broken = {"rank_ip": "127.0.0.1", "rank_port": "no-port", "is_dummy": False}
+        receiver = CommonKVReceiver(self.mgr, ADDR, 31)
+        receiver.clear()  # the request ended before its message failed
+        receiver._post_bootstrap_message(
+            bootstrap_info=broken, message=[b"x"], operation="send_metadata"
+        )
+        self.assertTrue(CommonKVReceiver.start_push_sender().barrier().wait(30))
+        self.assertEqual(self.mgr.failure_records, {})
+        self.assertNotIn(31, self.mgr.request_status)
+
     def test_a_full_queue_fails_the_post_at_once(self):
         sender = CommonKVReceiver.start_push_sender()
         failures = []
-        with mock.patch.object(sender, "_queue", mock.MagicMock()) as q:
-            q.put_nowait.side_effect = conn_mod.queue.Full
+        with mock.patch.object(conn_mod._PushSender, "MAX_QUEUED", 0):
             sender.post({"rank_ip": "h", "rank_port": 1}, [b"x"], failures.append)
         self.assertEqual(len(failures), 1)
         self.assertIsInstance(failures[0], conn_mod.queue.Full)
@@ -215,6 +237,14 @@ class TestUnreachablePrefillHoldsNoHeadroom(CustomTestCase):
         queue = self.queue({"2.2.2.2:None": 1})
         fake = SimpleNamespace(bootstrap_host=FAKE_BOOTSTRAP_HOST)
         self.assertFalse(queue._prefill_unreachable(SimpleNamespace(req=fake)))
+
+    def test_a_kv_manager_without_a_heartbeat_holds_nothing_back(self):
+        # --disaggregation-transfer-backend fake: FakeKVManager has none.
+        queue = self.queue({})
+        queue.kv_manager = FakeKVManager.__new__(FakeKVManager)
+        disagg = SimpleNamespace(disaggregation_transfer_backend="fake")
+        with mock.patch.object(decode_mod, "get_disagg", return_value=disagg):
+            self.assertEqual(queue._active_req_count(), 4)
 
 
 class TestPrefillAbortAckNeverWaits(CustomTestCase):

@@ -11,6 +11,9 @@ import threading
 import unittest
 
 from sglang.srt.disaggregation import decode as decode_mod
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.decode import DecodeRequest
+from sglang.srt.disaggregation.fake.conn import FakeKVManager
 from sglang.srt.environ import envs
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -18,6 +21,7 @@ from test_no_network_on_scheduler_thread import (
     drain,
     fake_clock_and_manager,
     make_queue,
+    make_req,
 )
 from test_parallel_info_nonblocking import ADDR
 
@@ -95,6 +99,36 @@ class TestDecodeStateLog(CustomTestCase):
         release.set()
         drain(self.mgr)
         self.assertEqual(self.logged_after(INTERVAL)["fetches_in_flight"], 0)
+
+
+class TestEveryTransferBackend(CustomTestCase):
+    """The decode's per-cycle work reads nothing a kv manager of another
+    backend lacks: FakeKVManager (--disaggregation-transfer-backend fake) has
+    none of CommonKVManager's tables, and a manager made with
+    CommonKVManager.__new__ none of its instance attributes."""
+
+    def managers(self):
+        return {
+            "fake": FakeKVManager.__new__(FakeKVManager),
+            "CommonKVManager.__new__": CommonKVManager.__new__(CommonKVManager),
+        }
+
+    def test_the_cycle_and_state_log_run(self):
+        for name, manager in self.managers().items():
+            with self.subTest(manager=name):
+                clock, _ = fake_clock_and_manager(self)
+                queue = make_queue(manager)
+                queue.held_rebootstrap_reqs = []
+                real = DecodeRequest(req=make_req(8998, 1), kv_receiver=None)
+
+                queue._resolve_pending_reqs()  # nothing pending
+                self.assertFalse(queue._prefill_unreachable(real))
+                with envs.SGLANG_LOG_SCHEDULER_STATUS_INTERVAL.override(INTERVAL):
+                    queue._log_disaggregation_state()  # starts the clock
+                    clock.now += INTERVAL
+                    with self.assertLogs(decode_mod.logger, "INFO") as cm:
+                        queue._log_disaggregation_state()
+                self.assertIn('"pending_reqs": 0', cm.output[0])
 
 
 if __name__ == "__main__":

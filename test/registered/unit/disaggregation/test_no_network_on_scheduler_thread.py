@@ -10,6 +10,7 @@ CPU-only, no sleeps: fetch threads are coordinated with ``threading.Event`` and
 a barrier on the fetch pool (wait for every task it holds).
 """
 
+import http.client
 import json
 import threading
 import unittest
@@ -88,6 +89,8 @@ def make_decode_manager(workers: int = 1) -> CommonKVManager:
     mgr._parallel_info_fatal = None
     mgr._bootstrap_setups = {}
     mgr._orphaned_rooms = conn_mod._OrphanedRooms(max_age_s=300)
+    mgr.session_pool = {}
+    mgr.session_pool_lock = threading.Lock()
     return mgr
 
 
@@ -160,10 +163,12 @@ class FakeBootstrapServer:
     """A prefill bootstrap server on 127.0.0.1 answering the three queries a
     decode makes: parallel info, per-rank route and dp ranks."""
 
-    def __init__(self, info: dict):
+    def __init__(self, info: dict, keep_alive: bool = False):
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
             def _answer(self, payload):
                 body = json.dumps(payload).encode()
                 self.send_response(200)
@@ -202,15 +207,19 @@ class FakeBootstrapServer:
 
 
 class NetworkSentinel:
-    """Records the thread of every HTTP connect and request urllib3 makes."""
+    """Records the thread of every HTTP request sent (by requests and urllib3,
+    or http.client directly: all of them send through http.client) and of
+    every TCP connect."""
 
     def __init__(self, test: CustomTestCase):
         self.threads = []
-        for name in ("connect", "request"):
-            original = getattr(urllib3.connection.HTTPConnection, name)
-            patcher = mock.patch.object(
-                urllib3.connection.HTTPConnection, name, self._wrap(original)
-            )
+        for owner, name in (
+            (http.client.HTTPConnection, "send"),
+            (urllib3.connection.HTTPConnection, "connect"),
+            (conn_mod.socket, "create_connection"),
+        ):
+            original = getattr(owner, name)
+            patcher = mock.patch.object(owner, name, self._wrap(original))
             patcher.start()
             test.addCleanup(patcher.stop)
 
@@ -615,6 +624,49 @@ class TestBackgroundRouteSetup(_Base):
             drain(self.mgr)
         self.assertNotIn(self.key, self.mgr.connection_pool)
 
+    def test_a_retired_setup_records_logs_and_registers_nothing(self):
+        for answer in (False, True):  # its lookup fails, or answers, late
+            with self.subTest(answer=answer):
+                self.mgr.failure_records.clear()
+                CommonKVReceiver._register_kv_args.reset_mock()
+                clock = FakeClock()
+                route = self.patch_route(BlockingRoute(block=True, answer=answer))
+                with mock.patch.object(conn_mod, "time", clock):
+                    receiver = self.receiver(room=1)
+                    receiver.init(0)
+                    self.assertTrue(route.entered.wait(_WAIT_S))
+                    clock.now += 2 * conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S + 1
+                    self.assert_failed_with(receiver, "have not ended")
+                    self.assertEqual(self.mgr.failure_records, {})
+
+                    with self.assertNoLogs(conn_mod.logger, "ERROR"):
+                        route.release.set()
+                        drain(self.mgr)
+                self.assertEqual(self.mgr.failure_records, {})
+                CommonKVReceiver._register_kv_args.assert_not_called()
+                self.assertEqual(self.mgr.connection_pool, {})
+                self.assertEqual(self.mgr._bootstrap_setups, {})
+
+    def test_node_failure_waits_on_no_prefill_socket(self):
+        # A send to this prefill's rank holds its socket's lock (an inline
+        # send waiting out SNDTIMEO): the heartbeat thread must not wait.
+        CommonKVReceiver.start_push_sender()  # as the decode manager does
+        endpoint = "tcp://127.0.0.1:7000"
+        self.mgr.connection_pool[self.key] = [
+            {"rank_ip": "127.0.0.1", "rank_port": 7000}
+        ]
+        CommonKVReceiver._connect(endpoint)
+        lock = CommonKVReceiver._socket_locks[endpoint]
+        with lock:
+            failure = threading.Thread(
+                target=self.mgr._handle_node_failure, args=(ADDR,), daemon=True
+            )
+            failure.start()
+            failure.join(_WAIT_S)
+            self.assertFalse(failure.is_alive())
+        self.assertTrue(CommonKVReceiver.start_push_sender().barrier().wait(_WAIT_S))
+        self.assertNotIn(endpoint, CommonKVReceiver._socket_cache)
+
     def test_eviction_during_the_setup_caches_nothing(self):
         route = self.patch_route(BlockingRoute(block=True))
         receiver = self.receiver(room=1)
@@ -657,27 +709,22 @@ class TestBackgroundRouteSetup(_Base):
 
 
 class TestMalformedRoute(CustomTestCase):
-    def lookup(self, response):
-        session = mock.MagicMock()
-        session.get.return_value = response
+    def lookup(self, body):
+        response = conn_mod._BootstrapResponse(200, json.dumps(body).encode())
         receiver = CommonKVReceiver.__new__(CommonKVReceiver)
         receiver.bootstrap_addr = ADDR
-        with mock.patch.object(conn_mod.requests, "Session", return_value=session):
+        with mock.patch.object(conn_mod._bootstrap_http, "get", return_value=response):
             return receiver._get_bootstrap_info_from_server(0, 0, 0, 0)
 
     def test_a_malformed_route_is_a_failed_lookup_not_a_cached_route(self):
         # init() reads rank_ip / rank_port on the scheduler thread: a route
         # without them must never be cached.
-        response = mock.MagicMock(status_code=200, text="")
         for body in ({}, ["x"], {"rank_ip": "h", "rank_port": "x"}, {"rank_ip": "h"}):
             with self.subTest(body=body):
-                response.json.return_value = body
-                conn_mod._idle_bootstrap_sessions.clear()
-                self.assertIsNone(self.lookup(response))
-        response.json.return_value = {"rank_ip": "h", "rank_port": 7}
-        conn_mod._idle_bootstrap_sessions.clear()
+                self.assertIsNone(self.lookup(body))
         self.assertEqual(
-            self.lookup(response), {"rank_ip": "h", "rank_port": 7, "pp_rank": 0}
+            self.lookup({"rank_ip": "h", "rank_port": 7}),
+            {"rank_ip": "h", "rank_port": 7, "pp_rank": 0},
         )
 
 

@@ -111,19 +111,24 @@ class TestDecodeAbortsOrphanedRooms(_SenderBase):
         )
         del failed, done
 
+    def probe(self):
+        """One heartbeat probe of ADDR and its verdict, as the heartbeat
+        thread does them."""
+        self.mgr._on_heartbeat_probe(ADDR, self.mgr._probe_prefill_health(ADDR))
+
     def test_a_prefill_no_longer_checked_is_probed(self):
         self.receiver(5)
         self.mgr._handle_node_failure(ADDR)
-        self.mgr.session_pool = {ADDR: mock.MagicMock()}
-        self.mgr.session_pool_lock = threading.Lock()
+        get = mock.patch.object(conn_mod._bootstrap_http, "get").start()
+        self.addCleanup(mock.patch.stopall)
 
-        self.mgr.session_pool[ADDR].get.side_effect = conn_mod.requests.ConnectionError
-        self.mgr._probe_orphaning_prefill(ADDR)
+        get.side_effect = ConnectionRefusedError
+        self.probe()
         self.assertEqual(self.mgr._orphaned_rooms.addrs(), [ADDR])
 
-        self.mgr.session_pool[ADDR].get.side_effect = None
-        self.mgr.session_pool[ADDR].get.return_value = mock.MagicMock(status_code=200)
-        self.mgr._probe_orphaning_prefill(ADDR)
+        get.side_effect = None
+        get.return_value = mock.MagicMock(status_code=200)
+        self.probe()
         self.assertEqual([a.room for a in self.aborts(1)], [5])
 
     def run_heartbeat_until_aborted(self):
@@ -136,8 +141,9 @@ class TestDecodeAbortsOrphanedRooms(_SenderBase):
             aborted.set()
 
         self.mgr._abort_orphaned_rooms = recorded
-        self.mgr.session_pool = {ADDR: mock.MagicMock()}
-        self.mgr.session_pool[ADDR].get.return_value = mock.MagicMock(status_code=200)
+        get = mock.patch.object(conn_mod._bootstrap_http, "get").start()
+        self.addCleanup(mock.patch.stopall)
+        get.return_value = mock.MagicMock(status_code=200)
         self.mgr.session_pool_lock = threading.Lock()
         self.mgr.heartbeat_interval = 0
         self.mgr.max_failures = 2

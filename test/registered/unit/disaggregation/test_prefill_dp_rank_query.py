@@ -373,16 +373,16 @@ class TestDpRankRetryBudget(_Base):
         decode_req.kv_receiver.abort.assert_called_once()
 
     def test_a_malformed_answer_is_a_failed_attempt(self):
-        response = mock.MagicMock(status_code=200, text='["1"]')
-        response.json.return_value = ["1"]
-        session = mock.MagicMock()
-        session.post.return_value = response
-        conn_mod._idle_bootstrap_sessions.clear()
-        self.addCleanup(conn_mod._idle_bootstrap_sessions.clear)
-        with mock.patch.object(conn_mod.requests, "Session", return_value=session):
-            self.assertEqual(
-                CommonKVReceiver.query_prefill_dp_ranks(self.server.addr, [1]), {}
-            )
+        for body in (b'["1"]', b'{"1": "x"}', b"not json"):
+            with self.subTest(body=body):
+                response = conn_mod._BootstrapResponse(200, body)
+                with mock.patch.object(
+                    conn_mod._bootstrap_http, "post", return_value=response
+                ):
+                    self.assertEqual(
+                        CommonKVReceiver.query_prefill_dp_ranks(self.server.addr, [1]),
+                        {},
+                    )
 
 
 class TestDropIdleEnsureState(_Base):

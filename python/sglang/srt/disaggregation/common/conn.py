@@ -4,18 +4,20 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import http.client
+import json
 import logging
 import queue
 import socket
 import threading
 import time
+import urllib.parse
 from collections import defaultdict, deque
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import (
     Callable,
     Deque,
     Dict,
-    Iterator,
     List,
     Literal,
     NamedTuple,
@@ -30,7 +32,6 @@ import numpy as np
 import numpy.typing as npt
 import requests
 import torch.distributed as dist
-import urllib3
 import zmq
 from aiohttp import web
 
@@ -102,68 +103,163 @@ BOOTSTRAP_FETCH_LANE_IDLE_S = 60.0
 HEARTBEAT_PROBE_TIMEOUT_S = 5
 
 
-class _FetchHTTPConnection(urllib3.connection.HTTPConnection):
-    """Hands the socket of each response it reads to the bootstrap fetch
-    running on this thread: retiring the fetch shuts the socket down, which
-    ends a read that a peer answering a byte at a time keeps alive."""
-
-    def getresponse(self, *args, **kwargs):
-        fetch = getattr(_current_fetch, "fetch", None)
-        if fetch is not None and self.sock is not None:
-            fetch.hold_socket(self.sock)
-        return super().getresponse(*args, **kwargs)
+# Idle keep-alive connections kept per bootstrap server, and for how long.
+BOOTSTRAP_HTTP_IDLE_MAX = 2
+BOOTSTRAP_HTTP_IDLE_S = 30.0
 
 
-class _FetchHTTPConnectionPool(urllib3.HTTPConnectionPool):
-    ConnectionCls = _FetchHTTPConnection
+class _BootstrapResponse(NamedTuple):
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self):
+        return json.loads(self.content)
 
 
-class _FetchHTTPAdapter(requests.adapters.HTTPAdapter):
-    def init_poolmanager(self, *args, **kwargs):
-        super().init_poolmanager(*args, **kwargs)
-        self.poolmanager.pool_classes_by_scheme = dict(
-            self.poolmanager.pool_classes_by_scheme, http=_FetchHTTPConnectionPool
+class _BootstrapHTTP:
+    """Keep-alive HTTP connections from the decode to prefill bootstrap
+    servers, for the bootstrap queries and heartbeat probes.
+
+    A connection serves one request at a time. While it does, the bootstrap
+    fetch running on that thread owns its socket, and retiring that fetch
+    shuts down that socket and no other: a read that a peer answering a byte
+    at a time keeps alive ends at once. Idle connections are kept per
+    bootstrap_addr, at most BOOTSTRAP_HTTP_IDLE_MAX, and closed after
+    BOOTSTRAP_HTTP_IDLE_S (sweep) or when their prefill is marked failed
+    (forget). Connections go straight to the prefill, as its ZMQ and KV ports
+    are reached: no HTTP proxy of the environment is used."""
+
+    def __init__(
+        self,
+        idle_max: int = BOOTSTRAP_HTTP_IDLE_MAX,
+        idle_s: float = BOOTSTRAP_HTTP_IDLE_S,
+    ):
+        self._idle_max = idle_max
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        # bootstrap_addr -> [(idle since, connection)], oldest first.
+        self._idle: Dict[str, List[Tuple[float, http.client.HTTPConnection]]] = {}
+
+    def get(self, url: str, timeout=5) -> _BootstrapResponse:
+        return self.request("GET", url, timeout=timeout)
+
+    def post(self, url: str, json=None, timeout=5) -> _BootstrapResponse:
+        return self.request("POST", url, json_body=json, timeout=timeout)
+
+    def request(
+        self, method: str, url: str, *, json_body=None, timeout=5
+    ) -> _BootstrapResponse:
+        """One request to ``http://{bootstrap_addr}/...``. ``timeout`` bounds
+        the connect and each read, as requests' does, and may be a (connect,
+        read) pair. Raises OSError or http.client.HTTPException."""
+        parts = urllib.parse.urlsplit(url)
+        bootstrap_addr = parts.netloc
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        connect_timeout, read_timeout = (
+            timeout if isinstance(timeout, tuple) else (timeout, timeout)
         )
+        body = None
+        headers = {"Connection": "keep-alive"}
+        if json_body is not None:
+            body = json.dumps(json_body).encode()
+            headers["Content-Type"] = "application/json"
+        conn = self._take(bootstrap_addr)
+        if conn is not None:
+            try:
+                return self._send(bootstrap_addr, conn, method, path, body, headers)
+            except (http.client.RemoteDisconnected, ConnectionError):
+                # The server closed the idle connection; requests retries
+                # on a new one too. A retired fetch does not.
+                if _fetch_retired():
+                    raise
+        host = NetworkAddress.parse(bootstrap_addr)
+        conn = http.client.HTTPConnection(host.host, host.port, timeout=read_timeout)
+        conn.sock = socket.create_connection((host.host, host.port), connect_timeout)
+        conn.sock.settimeout(read_timeout)
+        return self._send(bootstrap_addr, conn, method, path, body, headers)
+
+    def _send(self, bootstrap_addr, conn, method, path, body, headers):
+        fetch = getattr(_current_fetch, "fetch", None)
+        try:
+            if fetch is not None and not fetch.own_socket(conn.sock):
+                raise ConnectionAbortedError("the bootstrap fetch was retired")
+            try:
+                conn.request(method, path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+            finally:
+                # A retired fetch's socket may be shut down: not reused.
+                reusable = fetch is None or fetch.disown_socket()
+        except BaseException:
+            conn.close()
+            raise
+        if reusable and not response.will_close:
+            self._put(bootstrap_addr, conn)
+        else:
+            conn.close()
+        return _BootstrapResponse(response.status, data)
+
+    def _take(self, bootstrap_addr: str) -> Optional[http.client.HTTPConnection]:
+        with self._lock:
+            idle = self._idle.get(bootstrap_addr)
+            if not idle:
+                return None
+            _, conn = idle.pop()
+            if not idle:
+                del self._idle[bootstrap_addr]
+        # http.client reconnects a closed connection by itself, on a socket no
+        # fetch would own: use a new one instead.
+        return conn if conn.sock is not None else None
+
+    def _put(self, bootstrap_addr: str, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(bootstrap_addr, [])
+            if len(idle) < self._idle_max:
+                idle.append((time.monotonic(), conn))
+                return
+        conn.close()
+
+    def sweep(self) -> None:
+        """Close the connections idle for longer than idle_s."""
+        deadline = time.monotonic() - self._idle_s
+        expired = []
+        with self._lock:
+            for addr in list(self._idle):
+                idle = self._idle[addr]
+                while idle and idle[0][0] < deadline:
+                    expired.append(idle.pop(0)[1])
+                if not idle:
+                    del self._idle[addr]
+        for conn in expired:
+            conn.close()
+
+    def forget(self, bootstrap_addr: str) -> None:
+        """Close the idle connections to one bootstrap server."""
+        with self._lock:
+            idle = self._idle.pop(bootstrap_addr, [])
+        for _, conn in idle:
+            conn.close()
+
+    def idle_count(self) -> int:
+        with self._lock:
+            return sum(map(len, self._idle.values()))
 
 
-def _new_bootstrap_session() -> requests.Session:
-    # Bootstrap is http-only, so only http:// is mounted.
-    session = requests.Session()
-    session.mount("http://", _FetchHTTPAdapter(pool_connections=1, pool_maxsize=1))
-    return session
+_bootstrap_http = _BootstrapHTTP()
+# What a failed bootstrap query raises: the network, HTTP, a malformed body.
+_BOOTSTRAP_HTTP_ERRORS = (OSError, http.client.HTTPException, ValueError)
 
 
-# Reuse keep-alive sessions per bootstrap_addr for decode-side bootstrap queries
-# so we don't open a fresh TCP connection per query (that churns short-lived
-# sockets and can exhaust ephemeral ports under high concurrency). A session
-# serves one query at a time, because requests.Session is not safe for
-# concurrent cross-thread use; it is taken from a per-addr free list rather
-# than kept per thread, so the fetch pool's threads do not each hold an idle
-# connection to every prefill.
-_BOOTSTRAP_SESSIONS_IDLE_MAX = 2
-_idle_bootstrap_sessions: Dict[str, List[requests.Session]] = defaultdict(list)
-_idle_bootstrap_sessions_lock = threading.Lock()
-
-
-@contextmanager
-def _bootstrap_session(bootstrap_addr: str) -> Iterator[requests.Session]:
-    with _idle_bootstrap_sessions_lock:
-        idle = _idle_bootstrap_sessions[bootstrap_addr]
-        session = idle.pop() if idle else None
-    if session is None:
-        session = _new_bootstrap_session()
-    try:
-        yield session
-    finally:
-        # A retired fetch's connection may be shut down: do not reuse it.
-        if not _fetch_retired():
-            with _idle_bootstrap_sessions_lock:
-                idle = _idle_bootstrap_sessions[bootstrap_addr]
-                if len(idle) < _BOOTSTRAP_SESSIONS_IDLE_MAX:
-                    idle.append(session)
-                    session = None
-        if session is not None:
-            session.close()
+def _log_bootstrap_error(message: str) -> None:
+    # A retired fetch's request was cut off on purpose: not an error.
+    if _fetch_retired():
+        logger.debug(f"{message} (the fetch was retired)")
+    else:
+        logger.error(message)
 
 
 def _shutdown_socket(sock: socket.socket) -> None:
@@ -174,47 +270,60 @@ def _shutdown_socket(sock: socket.socket) -> None:
 
 
 class _BootstrapFetch(concurrent.futures.Future):
-    """A task of _BootstrapFetchPool."""
+    """A task of _BootstrapFetchPool, bounded in time from its submission: a
+    lane holds one prefill's calls only, so a wait in it is that prefill's
+    own."""
 
-    _sockets_lock = threading.Lock()
-
-    def __init__(self, fn: Callable, args: tuple, timeout_s: float):
+    def __init__(
+        self,
+        pool: _BootstrapFetchPool,
+        lane_key: Tuple[str, str],
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        timeout_s: float,
+    ):
         super().__init__()
         self.fn = fn
         self.args = args
+        self.kwargs = kwargs
         self.timeout_s = timeout_s
-        # The bound runs from submission: a lane holds one prefill's calls
-        # only, so a wait in it is that prefill's own.
         self.submitted_at = time.monotonic()
-        # Set under the owner's lock when the task is overdue or its prefill
-        # was marked failed; the body then drops its answer (_fetch_retired).
+        # Set by retire(); the body then drops what it got (_fetch_retired).
         self.retired = False
-        # Sockets of the responses it is reading (_FetchHTTPConnection).
-        self._sockets: List[socket.socket] = []
+        self._pool = pool
+        self.lane_key = lane_key
+        self._sock_lock = threading.Lock()
+        # The socket of the request it is making now (_BootstrapHTTP).
+        self._sock: Optional[socket.socket] = None
 
     def overdue(self) -> bool:
         return not self.done() and time.monotonic() - self.submitted_at > self.timeout_s
 
-    def hold_socket(self, sock: socket.socket) -> None:
-        with self._sockets_lock:
-            if not self.retired:
-                self._sockets.append(sock)
-                return
-        _shutdown_socket(sock)
+    def own_socket(self, sock: socket.socket) -> bool:
+        """Take ``sock`` for a request; False once retired."""
+        with self._sock_lock:
+            if self.retired:
+                return False
+            self._sock = sock
+            return True
 
-    def release_sockets(self) -> None:
-        with self._sockets_lock:
-            self._sockets = []
+    def disown_socket(self) -> bool:
+        """The request is over; False if it was cut off by retire()."""
+        with self._sock_lock:
+            self._sock = None
+            return not self.retired
 
     def retire(self) -> None:
-        """Drop this task's answer, and shut down the connections it is still
-        reading from, so that its thread and socket come back now rather than
-        when the peer gives up."""
-        with self._sockets_lock:
+        """Drop this task: it does not run if still queued; if running, its
+        answer is dropped and the request it is making is cut off, so that its
+        thread and socket come back now rather than when the peer gives up."""
+        with self._sock_lock:
             self.retired = True
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            _shutdown_socket(sock)
+            if self._sock is not None:
+                _shutdown_socket(self._sock)
+        if self.cancel():
+            self._pool._discard(self)
 
 
 _current_fetch = threading.local()
@@ -239,7 +348,7 @@ class _FetchLane:
     __slots__ = ("tasks", "threads", "idle", "cond")
 
     def __init__(self, lock: threading.Lock):
-        self.tasks: Deque[Tuple[_BootstrapFetch, dict]] = deque()
+        self.tasks: Deque[_BootstrapFetch] = deque()
         self.threads = 0
         self.idle = 0
         self.cond = threading.Condition(lock)
@@ -249,14 +358,12 @@ class _BootstrapFetchPool:
     """The decode side's threads for HTTP to prefill servers: bootstrap
     queries, heartbeat probes and rebootstrap /generate calls.
 
-    Not a ThreadPoolExecutor: with one queue for every prefill, prefills that
-    hang took every worker and a healthy prefill's query waited behind them.
-    Here each (prefill, kind of call) has a lane of its own with at most
+    Each (prefill, kind of call) has a lane of its own with at most
     BOOTSTRAP_FETCH_LANE_WORKERS threads, so a sick prefill holds only its
-    own. submit() returns a concurrent.futures.Future and shutdown() takes
-    ThreadPoolExecutor's arguments, so callers and tests use it as one.
-    Lane threads are daemon threads, started by the pool's spawner thread
-    (never inside submit(), i.e. a scheduling cycle), and end when idle.
+    own, however many hang. submit() returns a concurrent.futures.Future and
+    shutdown() takes ThreadPoolExecutor's arguments. Lane threads are daemon
+    threads, started by the pool's spawner thread (never inside submit(),
+    i.e. a scheduling cycle), and end when idle.
     """
 
     def __init__(
@@ -272,7 +379,7 @@ class _BootstrapFetchPool:
         self._stopped = False
         self._lanes: Dict[Tuple[str, str], _FetchLane] = {}
         # Queued and running tasks, by prefill and by call (for find()).
-        self._by_addr: Dict[str, Set[_BootstrapFetch]] = defaultdict(set)
+        self._by_addr: Dict[str, Set[_BootstrapFetch]] = {}
         self._by_call: Dict[tuple, _BootstrapFetch] = {}
         self._threads: Set[threading.Thread] = set()
         self._spawn_queue = queue.SimpleQueue()
@@ -306,15 +413,15 @@ class _BootstrapFetchPool:
     ) -> _BootstrapFetch:
         addr, default_kind = self._lane_of(args)
         key = (addr, kind or default_kind)
-        fetch = _BootstrapFetch(fn, args, timeout_s)
+        fetch = _BootstrapFetch(self, key, fn, args, kwargs, timeout_s)
         with self._lock:
             if self._stopped:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             lane = self._lanes.get(key)
             if lane is None:
                 lane = self._lanes[key] = _FetchLane(self._lock)
-            lane.tasks.append((fetch, kwargs))
-            self._by_addr[addr].add(fetch)
+            lane.tasks.append(fetch)
+            self._by_addr.setdefault(addr, set()).add(fetch)
             call = _call_key(fn, args)
             if call is not None:
                 self._by_call[call] = fetch
@@ -344,8 +451,9 @@ class _BootstrapFetchPool:
         return len(self._threads)
 
     def in_flight(self) -> int:
-        """Calls queued or running (retired ones until they end)."""
-        return len(self._by_call)
+        """Tasks queued or running (retired ones until they end)."""
+        with self._lock:
+            return sum(map(len, self._by_addr.values()))
 
     def _spawn_lane_threads(self) -> None:
         while True:
@@ -386,28 +494,36 @@ class _BootstrapFetchPool:
                         if lane.threads == 0 and self._lanes.get(key) is lane:
                             del self._lanes[key]
                         return
-                    fetch, kwargs = lane.tasks.popleft()
-                self._run(key[0], fetch, kwargs)
+                    fetch = lane.tasks.popleft()
+                self._run(fetch)
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _run(self, addr: str, fetch: _BootstrapFetch, kwargs: dict) -> None:
+    def _run(self, fetch: _BootstrapFetch) -> None:
         if fetch.set_running_or_notify_cancel():
             _current_fetch.fetch = fetch
             try:
-                result = fetch.fn(*fetch.args, **kwargs)
+                result = fetch.fn(*fetch.args, **fetch.kwargs)
             except BaseException as e:
                 fetch.set_exception(e)
             else:
                 fetch.set_result(result)
             finally:
                 _current_fetch.fetch = None
-                fetch.release_sockets()
         with self._lock:
-            self._forget(addr, fetch)
+            self._forget(fetch)
 
-    def _forget(self, addr: str, fetch: _BootstrapFetch) -> None:
+    def _discard(self, fetch: _BootstrapFetch) -> None:
+        """A queued task was cancelled: it leaves its lane now."""
+        with self._lock:
+            lane = self._lanes.get(fetch.lane_key)
+            if lane is not None and fetch in lane.tasks:
+                lane.tasks.remove(fetch)
+            self._forget(fetch)
+
+    def _forget(self, fetch: _BootstrapFetch) -> None:
+        addr = fetch.lane_key[0]
         fetches = self._by_addr.get(addr)
         if fetches is not None:
             fetches.discard(fetch)
@@ -418,14 +534,16 @@ class _BootstrapFetchPool:
             del self._by_call[call]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """As ThreadPoolExecutor's, except that running tasks are retired:
+        teardown never waits on a prefill."""
         with self._lock:
             self._stopped = True
-            for key, lane in self._lanes.items():
-                while cancel_futures and lane.tasks:
-                    fetch, _ = lane.tasks.popleft()
-                    fetch.cancel()
-                    self._forget(key[0], fetch)
+            fetches = [f for tasks in self._by_addr.values() for f in tasks]
+            for lane in self._lanes.values():
                 lane.cond.notify_all()
+        for fetch in fetches:
+            if cancel_futures or fetch.running():
+                fetch.retire()
         self._spawn_queue.put(None)
         if wait:
             # The spawner first: it starts the threads still owed to lanes.
@@ -445,39 +563,58 @@ def _call_key(fn, args: tuple) -> Optional[tuple]:
     return key
 
 
-class _PushSender:
-    """Sends the decode's control messages to prefill ranks (KV metadata,
-    BOOTSTRAP, ABORT) on a thread of its own, each endpoint's in the order
-    they were posted, so the scheduler thread never touches a prefill's
-    socket. A send never waits: a peer whose SNDHWM is full (it does not
-    read) holds back only its own messages, each tried again until SNDTIMEO
-    has passed since it came first in line, as an inline send would have
-    waited; then it fails. A send that fails runs its on_failure."""
+class _HeldMessages:
+    """The messages one endpoint's socket did not take: its SNDHWM is full."""
 
-    # Messages posted and not yet taken by the sender thread, and messages
-    # waiting for one endpoint; past these, a post fails at once.
+    __slots__ = ("items", "since", "sock")
+
+    def __init__(self, item: tuple, sock: zmq.Socket):
+        self.items: Deque[tuple] = deque([item])
+        # When the first of them came first in line.
+        self.since = time.monotonic()
+        self.sock = sock
+
+
+class _PushSender:
+    """Sends the decode's control messages to prefill ranks (KV args
+    registration, KV metadata, BOOTSTRAP, ABORT) on a thread of its own,
+    each endpoint's in the order they were posted. It is the only thread that
+    uses the decode's PUSH sockets (CommonKVReceiver._socket_cache), closing
+    included, so no other thread waits on a prefill's socket or its lock.
+
+    A send never waits. A peer whose SNDHWM is full (it does not read) holds
+    back only its own messages; they leave as soon as its socket takes them
+    again (the thread sleeps in zmq.Poller meanwhile). Once the first of them
+    has waited SNDTIMEO, as an inline send would have, the peer is stuck and
+    every message held for it fails at once. A send that fails runs its
+    on_failure. A prefill marked failed (disconnect_endpoint) loses its
+    messages, which nobody waits for any more, and its socket."""
+
+    # Messages posted and not yet sent, in all and for one endpoint; past
+    # these, a post fails at once.
     MAX_QUEUED = 65536
     MAX_QUEUED_PER_ENDPOINT = 4096
-    # How often messages held back by a full peer are tried again.
-    RETRY_INTERVAL_S = 0.005
 
     def __init__(self):
-        self._queue = queue.Queue(maxsize=self.MAX_QUEUED)
-        self._queued: Dict[Tuple[str, int], int] = defaultdict(int)
-        self._queued_lock = threading.Lock()
-        # Sender thread only: per endpoint, the messages held back, and when
-        # the first of them came first in line.
-        self._held: Dict[Tuple[str, int], Deque[tuple]] = {}
-        self._held_since: Dict[Tuple[str, int], float] = {}
+        self._lock = threading.Lock()
+        # Posted and not yet taken by the sender thread: ("send", endpoint,
+        # bootstrap_info, frames, on_failure), ("forget", endpoint),
+        # ("close_all",) or ("barrier", event).
+        self._inbox: Deque[tuple] = deque()
+        self._queued: Dict[str, int] = {}
+        self._queued_total = 0
+        # Written to wake the sender thread from its poll.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        # Sender thread only.
+        self._held: Dict[str, _HeldMessages] = {}
+        self._poller = zmq.Poller()
         self._send_timeout_s = envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get()
         self._thread = threading.Thread(
             target=self._run, name="pd-decode-zmq-sender", daemon=True
         )
         self._thread.start()
-
-    @staticmethod
-    def _endpoint(bootstrap_info: dict) -> Tuple[str, int]:
-        return bootstrap_info.get("rank_ip"), bootstrap_info.get("rank_port")
 
     def post(
         self,
@@ -485,93 +622,149 @@ class _PushSender:
         frames: List[bytes],
         on_failure: Optional[Callable[[BaseException], None]] = None,
     ) -> None:
-        endpoint = self._endpoint(bootstrap_info)
-        with self._queued_lock:
-            if self._queued[endpoint] >= self.MAX_QUEUED_PER_ENDPOINT:
-                full = True
-            else:
-                full = False
-                self._queued[endpoint] += 1
+        try:
+            endpoint = NetworkAddress(
+                bootstrap_info["rank_ip"], bootstrap_info["rank_port"]
+            ).to_tcp()
+        except Exception as e:
+            self._failed(bootstrap_info, on_failure, e)
+            return
+        with self._lock:
+            full = (
+                self._queued_total >= self.MAX_QUEUED
+                or self._queued.get(endpoint, 0) >= self.MAX_QUEUED_PER_ENDPOINT
+            )
+            if not full:
+                self._queued[endpoint] = self._queued.get(endpoint, 0) + 1
+                self._queued_total += 1
         if full:
             self._failed(bootstrap_info, on_failure, queue.Full())
             return
-        try:
-            self._queue.put_nowait((bootstrap_info, frames, on_failure))
-        except queue.Full as e:
-            self._done(endpoint)
-            self._failed(bootstrap_info, on_failure, e)
+        self._command("send", endpoint, bootstrap_info, frames, on_failure)
 
-    def _done(self, endpoint: Tuple[str, int]) -> None:
-        with self._queued_lock:
-            self._queued[endpoint] -= 1
-            if self._queued[endpoint] <= 0:
-                del self._queued[endpoint]
+    def forget(self, endpoint: str) -> None:
+        """Drop the messages for ``endpoint`` posted so far and close its
+        socket (see CommonKVReceiver.disconnect_endpoint)."""
+        self._command("forget", endpoint)
 
-    def _run(self) -> None:
-        retry_at = 0.0
-        while True:
-            try:
-                item = self._queue.get(
-                    timeout=self.RETRY_INTERVAL_S if self._held else None
-                )
-            except queue.Empty:
-                item = None
-            if item is not None:
-                endpoint = self._endpoint(item[0])
-                held = self._held.get(endpoint)
-                if held is not None:
-                    held.append(item)
-                elif not self._send(item):
-                    self._held[endpoint] = deque([item])
-                    self._held_since[endpoint] = time.monotonic()
-            if self._held and time.monotonic() >= retry_at:
-                self._send_held()
-                retry_at = time.monotonic() + self.RETRY_INTERVAL_S
+    def close_all(self) -> None:
+        """Close every socket, after sending what was posted so far."""
+        self._command("close_all")
 
-    def _send_held(self) -> None:
-        now = time.monotonic()
-        for endpoint in list(self._held):
-            held = self._held[endpoint]
-            while held:
-                if self._send(held[0]):
-                    held.popleft()
-                    self._held_since[endpoint] = now
-                elif now - self._held_since[endpoint] >= self._send_timeout_s:
-                    bootstrap_info, _, on_failure = held.popleft()
-                    self._done(endpoint)
-                    self._failed(bootstrap_info, on_failure, zmq.Again())
-                    self._held_since[endpoint] = now
-                else:
-                    break
-            if not held:
-                del self._held[endpoint]
-                del self._held_since[endpoint]
-
-    def _send(self, item: tuple) -> bool:
-        """Send without waiting; False if the peer cannot take it now."""
-        bootstrap_info, frames, on_failure = item
-        try:
-            sock, lock = CommonKVReceiver._connect_to_bootstrap_server(bootstrap_info)
-            # Another thread's send to this peer may be waiting on SNDTIMEO.
-            if not lock.acquire(blocking=False):
-                return False
-            try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            finally:
-                lock.release()
-        except zmq.Again:
-            return False
-        except Exception as e:
-            self._done(self._endpoint(bootstrap_info))
-            self._failed(bootstrap_info, on_failure, e)
-            return True
-        self._done(self._endpoint(bootstrap_info))
-        return True
+    def barrier(self) -> threading.Event:
+        """Set once every message posted before it is sent, held back, failed
+        or dropped, and what was due to fail by then has failed."""
+        done = threading.Event()
+        self._command("barrier", done)
+        return done
 
     def queued(self) -> int:
-        """Messages posted and not sent or failed yet."""
-        with self._queued_lock:
-            return sum(self._queued.values())
+        """Messages posted and not sent, failed or dropped yet."""
+        return self._queued_total
+
+    def _command(self, *item) -> None:
+        with self._lock:
+            self._inbox.append(item)
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass  # a wake-up is pending already
+
+    def _run(self) -> None:
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        while True:
+            timeout_ms = None
+            if self._held:
+                due = min(h.since for h in self._held.values()) + self._send_timeout_s
+                timeout_ms = max(0.0, due - time.monotonic()) * 1000
+            writable = dict(self._poller.poll(timeout_ms))
+            if self._wake_r in writable:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            with self._lock:
+                items = list(self._inbox)
+                self._inbox.clear()
+            barriers = []
+            for command, *args in items:
+                if command == "send":
+                    self._take(*args)
+                elif command == "forget":
+                    self._release(args[0], None)
+                    CommonKVReceiver._close_endpoint(args[0])
+                elif command == "close_all":
+                    for endpoint in list(self._held):
+                        self._release(endpoint, zmq.ZMQError("sockets closed"))
+                    CommonKVReceiver._close_all_endpoints()
+                else:
+                    barriers.append(args[0])
+            now = time.monotonic()
+            for endpoint, held in list(self._held.items()):
+                if held.sock in writable:
+                    self._send_held(endpoint, held, now)
+                elif now - held.since >= self._send_timeout_s:
+                    self._release(endpoint, zmq.Again())
+            for done in barriers:
+                done.set()
+
+    def _take(self, endpoint, bootstrap_info, frames, on_failure) -> None:
+        item = (endpoint, bootstrap_info, frames, on_failure)
+        held = self._held.get(endpoint)
+        if held is not None:
+            held.items.append(item)
+            return
+        sock = self._send(item)
+        if sock is not None:
+            self._held[endpoint] = _HeldMessages(item, sock)
+            self._poller.register(sock, zmq.POLLOUT)
+
+    def _send_held(self, endpoint: str, held: _HeldMessages, now: float) -> None:
+        while held.items and self._send(held.items[0]) is None:
+            held.items.popleft()
+            held.since = now
+        if not held.items:
+            self._release(endpoint, None)
+
+    def _send(self, item: tuple) -> Optional[zmq.Socket]:
+        """Send without waiting; the socket if it cannot take it now."""
+        endpoint, bootstrap_info, frames, on_failure = item
+        try:
+            sock, _ = CommonKVReceiver._connect_to_bootstrap_server(bootstrap_info)
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return sock
+        except Exception as e:
+            self._failed(bootstrap_info, on_failure, e)
+        self._done(endpoint, 1)
+        return None
+
+    def _release(self, endpoint: str, exc: Optional[BaseException]) -> None:
+        """Stop holding messages for ``endpoint``: those left fail with
+        ``exc``, or are dropped when it is None."""
+        held = self._held.pop(endpoint, None)
+        if held is None:
+            return
+        self._poller.unregister(held.sock)
+        self._done(endpoint, len(held.items))
+        if exc is not None:
+            for _, bootstrap_info, _, on_failure in held.items:
+                self._failed(bootstrap_info, on_failure, exc)
+        elif held.items:
+            logger.info(
+                f"Dropped {len(held.items)} control message(s) for prefill rank "
+                f"{endpoint}: it was marked failed."
+            )
+
+    def _done(self, endpoint: str, n: int) -> None:
+        with self._lock:
+            left = self._queued.get(endpoint, 0) - n
+            if left > 0:
+                self._queued[endpoint] = left
+            else:
+                self._queued.pop(endpoint, None)
+            self._queued_total -= n
 
     @staticmethod
     def _failed(bootstrap_info, on_failure, exc: BaseException) -> None:
@@ -595,7 +788,8 @@ class _OrphanedRooms:
     comes, and its client with it; so the decode sends their ABORT at each of
     the first SENDS heartbeats the prefill answers (it may not have taken a
     request in yet at the first). Bounded: at most MAX_ROOMS rooms (the
-    oldest go first), none older than the prefill's bootstrap timeout."""
+    oldest go first), none older than the prefill's bootstrap timeout, and a
+    prefill's endpoints are kept as long as its rooms, or that timeout."""
 
     MAX_ROOMS = 4096
     SENDS = 3
@@ -605,18 +799,23 @@ class _OrphanedRooms:
         self._lock = threading.Lock()
         # addr -> room -> [failed at (monotonic), sends left]
         self._rooms: Dict[str, Dict[int, List]] = {}
-        self._endpoints: Dict[str, Set[Tuple[str, int]]] = {}
+        # addr -> (learned at (monotonic), endpoints)
+        self._endpoints: Dict[str, Tuple[float, Set[Tuple[str, int]]]] = {}
 
     def add_endpoints(self, addr: str, endpoints: Set[Tuple[str, int]]) -> None:
+        now = time.monotonic()
         with self._lock:
-            self._endpoints.setdefault(addr, set()).update(endpoints)
+            if endpoints:
+                known = self._endpoints.get(addr, (now, set()))[1]
+                self._endpoints[addr] = (now, known | endpoints)
+            self._evict(now)
 
     def add(self, addr: str, rooms: List[int]) -> int:
         """Remember ``rooms``; returns how many were kept (none when the
         prefill's rank endpoints were never learned)."""
         now = time.monotonic()
         with self._lock:
-            if not rooms or not self._endpoints.get(addr):
+            if not rooms or addr not in self._endpoints:
                 return 0
             by_room = self._rooms.setdefault(addr, {})
             for room in rooms:
@@ -648,7 +847,7 @@ class _OrphanedRooms:
                     del by_room[room]
             if not by_room:
                 del self._rooms[addr]
-            return sorted(self._endpoints.get(addr, ())), rooms
+            return sorted(self._endpoints.get(addr, (0, ()))[1]), rooms
 
     def _evict(self, now: float) -> None:
         entries = [
@@ -663,6 +862,16 @@ class _OrphanedRooms:
                 del self._rooms[addr][room]
         for addr in [a for a, by_room in self._rooms.items() if not by_room]:
             del self._rooms[addr]
+        for addr, (learned_at, _) in list(self._endpoints.items()):
+            if addr not in self._rooms and (
+                now - learned_at > self.max_age_s
+                or len(self._endpoints) > self.MAX_ROOMS
+            ):
+                del self._endpoints[addr]
+
+    def endpoint_count(self) -> int:
+        """Prefills whose endpoints are kept; no lock, for the state log."""
+        return len(self._endpoints)
 
 
 def get_bootstrap_key(
@@ -1064,7 +1273,7 @@ class CommonKVManager(BaseKVManager):
             self.required_prefill_response_num_table: Dict[int, int] = {}
             self.prefill_info_table: Dict[str, PrefillServerInfo] = {}
             self.heartbeat_failures: Dict[str, int] = {}
-            self.session_pool: Dict = defaultdict(_new_bootstrap_session)
+            self.session_pool: Dict = defaultdict(requests.Session)
             self.session_pool_lock = threading.Lock()
             self.addr_to_rooms_tracker: Dict[str, Set[int]] = defaultdict(set)
             self.prefill_response_tracker: Dict[int, Set[int]] = {}
@@ -1107,6 +1316,13 @@ class CommonKVManager(BaseKVManager):
                 thread_name_prefix="pd-bootstrap-fetch"
             )
             self._prefill_recompute_executor = self._parallel_info_executor
+            if envs.SGLANG_DISAGGREGATION_THREAD_POOL_SIZE.is_set():
+                logger.info(
+                    "SGLANG_DISAGGREGATION_THREAD_POOL_SIZE does not size the "
+                    "decode's HTTP calls to prefills: each prefill has threads of "
+                    "its own, at most %s by kind of call.",
+                    BOOTSTRAP_FETCH_LANE_WORKERS,
+                )
             CommonKVReceiver.start_push_sender()
             # Addrs with a parallel-info fetch outstanding, under connection_lock.
             self._parallel_info_inflight: Set[str] = set()
@@ -1867,7 +2083,8 @@ class CommonKVManager(BaseKVManager):
     ) -> concurrent.futures.ThreadPoolExecutor:
         """Lazily create the shared executor that drives PD-retract rebootstrap
         ``/generate`` calls. One executor per (decode) kv manager, shared across
-        all receivers."""
+        all receivers. On a decode kv manager it is the bootstrap fetch pool
+        (a _BootstrapFetchPool, which is not a ThreadPoolExecutor)."""
         executor = self._prefill_recompute_executor
         if executor is not None:
             return executor
@@ -2023,18 +2240,30 @@ class CommonKVManager(BaseKVManager):
     def disaggregation_state(self) -> Dict[str, int]:
         """Sizes of the decode's per-prefill tables, for the decode's state log:
         one that stays above 0 while the server is idle is a leak. Sizes only,
-        read without locks."""
+        read without locks; a table this manager lacks counts 0."""
+
+        def size(name: str) -> int:
+            return len(getattr(self, name, ()))
+
         sender = CommonKVReceiver._push_sender
+        pool = getattr(self, "_parallel_info_executor", None)
+        orphaned = getattr(self, "_orphaned_rooms", None)
+        tracker = getattr(self, "addr_to_rooms_tracker", {})
         return {
-            "prefills": len(self.prefill_info_table),
-            "route_cache": len(self.connection_pool),
-            "rooms_tracked": sum(map(len, list(self.addr_to_rooms_tracker.values()))),
-            "orphaned_rooms": self._orphaned_rooms.count(),
-            "heartbeat_failures": len(self.heartbeat_failures),
-            "failure_records": len(self.failure_records),
-            "request_status": len(self.request_status),
-            "fetches_in_flight": self._parallel_info_executor.in_flight(),
-            "fetch_threads": self._parallel_info_executor.thread_count(),
+            "prefills": size("prefill_info_table"),
+            "route_cache": size("connection_pool"),
+            "route_setups": size("_bootstrap_setups"),
+            "rooms_tracked": sum(map(len, list(tracker.values()))),
+            "orphaned_rooms": orphaned.count() if orphaned is not None else 0,
+            "orphan_prefills": (
+                orphaned.endpoint_count() if orphaned is not None else 0
+            ),
+            "heartbeat_failures": size("heartbeat_failures"),
+            "failure_records": size("failure_records"),
+            "request_status": size("request_status"),
+            "fetches_in_flight": pool.in_flight() if pool is not None else 0,
+            "fetch_threads": pool.thread_count() if pool is not None else 0,
+            "idle_connections": _bootstrap_http.idle_count(),
             "control_msgs_queued": sender.queued() if sender is not None else 0,
         }
 
@@ -2254,9 +2483,11 @@ class CommonKVManager(BaseKVManager):
             setup = self._bootstrap_setups.get(key)
             if setup is None or setup.done() or setup.retired:
                 # A copy, so that only the scheduler thread touches the
-                # receiver itself; a failure still fails its room.
+                # receiver itself. Its failures are its own: each receiver
+                # that waited for it fails its own room (_resume_init).
                 probe = copy.copy(receiver)
                 probe._connection_pool_entries = {}
+                probe._setup_failures = []
                 lookups = (
                     len(receiver.target_cp_ranks)
                     * len(receiver.target_tp_ranks)
@@ -2277,27 +2508,45 @@ class CommonKVManager(BaseKVManager):
     ) -> Optional[str]:
         try:
             probe._setup_bootstrap_infos()
+            failed = probe.conclude_state == KVPoll.Failed
         except Exception as e:
-            # Not a configuration mismatch: fail these requests, not decode.
-            logger.exception(f"Bootstrap info setup for [{bootstrap_addr}] failed")
-            return f"Bootstrap info setup for {bootstrap_addr} failed: {e!r}"
-        if probe.conclude_state == KVPoll.Failed:
-            with self.failure_lock:
-                reason = self.failure_records.get(probe.bootstrap_room)
-            return reason or f"Could not fetch bootstrap info from {bootstrap_addr}"
+            failed = True
+            if not _fetch_retired():
+                # Not a configuration mismatch: fail these requests, not decode.
+                logger.exception(f"Bootstrap info setup for [{bootstrap_addr}] failed")
+                probe._setup_failures.insert(
+                    0, f"Bootstrap info setup for {bootstrap_addr} failed: {e!r}"
+                )
+        finally:
+            key = (bootstrap_addr, probe.prefill_dp_rank)
+            with self.connection_lock:
+                if self._bootstrap_setups.get(key) is _current_fetch.fetch:
+                    del self._bootstrap_setups[key]
         if _fetch_retired():
+            # Overdue, or its prefill was marked failed: the receivers that
+            # waited for it say so themselves (_resume_init).
+            return f"Bootstrap info setup for {bootstrap_addr} was cut off"
+        if failed:
             return (
-                f"Prefill {bootstrap_addr} was marked failed while its bootstrap "
-                f"info was being fetched"
+                probe._setup_failures[0]
+                if probe._setup_failures
+                else f"Could not fetch bootstrap info from {bootstrap_addr}"
             )
         return None
 
     def _stop_bootstrap_fetches(self) -> None:
-        """Teardown never waits on a bootstrap query: queued ones are
-        cancelled, a running one is not joined (its HTTP timeout bounds it)."""
+        """Teardown never waits on a prefill: queued bootstrap queries and
+        probes are cancelled, running ones cut off, and the heartbeat thread
+        is woken to stop."""
         executor = getattr(self, "_parallel_info_executor", None)
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+        heartbeat_shutdown = getattr(self, "_heartbeat_shutdown", None)
+        if heartbeat_shutdown is not None:
+            heartbeat_shutdown.set()
+        results = getattr(self, "_heartbeat_results", None)
+        if results is not None:
+            results.put(None)
 
     def _resolve_rank_mapping(self, info: PrefillServerInfo) -> None:
         """Compute TP/CP/PP rank mapping and store on the PrefillServerInfo object.
@@ -2886,62 +3135,47 @@ class CommonKVManager(BaseKVManager):
         Returns the thread object so callers can track/join it during teardown.
         """
 
+        # Probes that landed, (addr, probe); None wakes the thread (teardown).
+        self._heartbeat_results = queue.SimpleQueue()
+
         def heartbeat_checker():
+            # Each prefill's probe runs in its own lane and is handled when it
+            # lands, or as a miss at its deadline: a prefill that hangs delays
+            # no other's verdict, however many hang.
+            probes: Dict[str, _BootstrapFetch] = {}
+            next_round = time.monotonic() + self.heartbeat_interval
             while not self._heartbeat_shutdown.is_set():
-                # Use Event.wait() instead of time.sleep() so teardown can
-                # wake this thread immediately by setting the event.
-                if self._heartbeat_shutdown.wait(self.heartbeat_interval):
-                    break
-                with self.connection_lock:
-                    addresses = list(self.prefill_info_table.keys())
-                # A prefill marked failed is no longer checked; see whether
-                # it is back, for the rooms this decode failed.
-                orphaning = [
-                    addr
-                    for addr in self._orphaned_rooms.addrs()
-                    if addr not in addresses
-                ]
-                # Every prefill at once: a round lasts as long as its slowest
-                # probe, not the sum of them, however many prefills hang.
-                try:
-                    probes = {
-                        addr: self._parallel_info_executor.submit_to(
-                            "health",
-                            HEARTBEAT_PROBE_TIMEOUT_S,
-                            self._probe_prefill_health,
-                            addr,
-                        )
-                        for addr in addresses + orphaning
-                    }
-                except RuntimeError:
-                    break  # the fetch pool was shut down: teardown
-                concurrent.futures.wait(
-                    probes.values(), timeout=HEARTBEAT_PROBE_TIMEOUT_S
+                if time.monotonic() >= next_round:
+                    next_round = time.monotonic() + self.heartbeat_interval
+                    if not self._start_heartbeat_probes(probes):
+                        break  # the fetch pool was shut down: teardown
+                    _bootstrap_http.sweep()
+                wake_at = min(
+                    [next_round]
+                    + [p.submitted_at + p.timeout_s for p in probes.values()]
                 )
-
-                for bootstrap_addr in addresses:
-                    if self._heartbeat_probe_answered(probes[bootstrap_addr]):
-                        self.heartbeat_failures[bootstrap_addr] = 0
-                        self._on_heartbeat_success(bootstrap_addr)
-                        self._abort_orphaned_rooms(bootstrap_addr)
-                    else:
-                        logger.info(f"Attempting to reconnect to {bootstrap_addr}...")
-                        self.heartbeat_failures[bootstrap_addr] = (
-                            self.heartbeat_failures.get(bootstrap_addr, 0) + 1
+                try:
+                    landed = self._heartbeat_results.get(
+                        timeout=max(0.0, wake_at - time.monotonic())
+                    )
+                except queue.Empty:
+                    landed = None
+                if self._heartbeat_shutdown.is_set():
+                    break
+                if landed is not None and probes.get(landed[0]) is landed[1]:
+                    bootstrap_addr, probe = landed
+                    del probes[bootstrap_addr]
+                    if not probe.cancelled():
+                        self._on_heartbeat_probe(
+                            bootstrap_addr,
+                            probe.exception() is None and probe.result(),
                         )
-
-                    if (
-                        self.heartbeat_failures.get(bootstrap_addr, 0)
-                        >= self.max_failures
-                    ):
-                        self._handle_node_failure(bootstrap_addr)
-                        with self.session_pool_lock:
-                            if bootstrap_addr in self.session_pool:
-                                del self.session_pool[bootstrap_addr]
-
-                for bootstrap_addr in orphaning:
-                    if self._heartbeat_probe_answered(probes[bootstrap_addr]):
-                        self._abort_orphaned_rooms(bootstrap_addr)
+                for bootstrap_addr, probe in list(probes.items()):
+                    if probe.overdue():
+                        # A slow answer is no answer; its socket is shut down.
+                        del probes[bootstrap_addr]
+                        probe.retire()
+                        self._on_heartbeat_probe(bootstrap_addr, False)
 
         t = threading.Thread(
             target=heartbeat_checker,
@@ -2951,36 +3185,62 @@ class CommonKVManager(BaseKVManager):
         t.start()
         return t
 
-    def _probe_orphaning_prefill(self, bootstrap_addr: str) -> None:
-        if self._probe_prefill_health(bootstrap_addr):
-            self._abort_orphaned_rooms(bootstrap_addr)
+    def _start_heartbeat_probes(self, probes: Dict[str, _BootstrapFetch]) -> bool:
+        """Probe every known prefill, and every prefill this decode failed
+        rooms of (is it back?), that has no probe in flight. False once the
+        fetch pool is shut down."""
+        with self.connection_lock:
+            addresses = list(self.prefill_info_table.keys())
+        known = set(addresses)
+        addresses += [a for a in self._orphaned_rooms.addrs() if a not in known]
+        for bootstrap_addr in addresses:
+            if bootstrap_addr in probes:
+                continue
+            try:
+                probe = self._parallel_info_executor.submit_to(
+                    "health",
+                    HEARTBEAT_PROBE_TIMEOUT_S,
+                    self._probe_prefill_health,
+                    bootstrap_addr,
+                )
+            except RuntimeError:
+                return False
+            probes[bootstrap_addr] = probe
+            probe.add_done_callback(
+                lambda f, addr=bootstrap_addr: self._heartbeat_results.put((addr, f))
+            )
+        return True
 
     def _probe_prefill_health(self, bootstrap_addr: str) -> bool:
         """One heartbeat probe (a fetch pool task): True if /health said 200."""
-        with self.session_pool_lock:
-            session = self.session_pool[bootstrap_addr]
         try:
-            response = session.get(
-                f"http://{bootstrap_addr}/health",
-                timeout=(2, 3),
-                headers={"Connection": "keep-alive"},
+            response = _bootstrap_http.get(
+                f"http://{bootstrap_addr}/health", timeout=(2, 3)
             )
-        except Exception:
+        except _BOOTSTRAP_HTTP_ERRORS:
             return False
         return response.status_code == 200
 
-    @staticmethod
-    def _heartbeat_probe_answered(probe: concurrent.futures.Future) -> bool:
-        if not probe.done():
-            # Slow answers count as no answer: a probe still queued behind an
-            # earlier one does not run, a running one's socket is shut down.
-            if not probe.cancel():
-                probe.retire()
-            return False
-        try:
-            return probe.result()
-        except Exception:
-            return False
+    def _on_heartbeat_probe(self, bootstrap_addr: str, answered: bool) -> None:
+        """Heartbeat thread: a probe of ``bootstrap_addr`` landed or missed."""
+        known = bootstrap_addr in self.prefill_info_table
+        if answered:
+            if known:
+                self.heartbeat_failures[bootstrap_addr] = 0
+                self._on_heartbeat_success(bootstrap_addr)
+            self._abort_orphaned_rooms(bootstrap_addr)
+            return
+        if not known:
+            return
+        logger.info(f"Attempting to reconnect to {bootstrap_addr}...")
+        self.heartbeat_failures[bootstrap_addr] = (
+            self.heartbeat_failures.get(bootstrap_addr, 0) + 1
+        )
+        if self.heartbeat_failures[bootstrap_addr] >= self.max_failures:
+            self._handle_node_failure(bootstrap_addr)
+            with self.session_pool_lock:
+                if bootstrap_addr in self.session_pool:
+                    del self.session_pool[bootstrap_addr]
 
     def _on_heartbeat_success(self, bootstrap_addr: str):
         """Hook called on successful heartbeat. Override for backend-specific cleanup."""
@@ -3013,6 +3273,9 @@ class CommonKVManager(BaseKVManager):
             # got before it failed; the next request fetches again.
             self._parallel_info_executor.retire_for(failed_bootstrap_addr)
             self._parallel_info_inflight.discard(failed_bootstrap_addr)
+            for key in list(self._bootstrap_setups):
+                if key[0] == failed_bootstrap_addr:
+                    del self._bootstrap_setups[key]
             # A prefill that a later request reaches again starts with no
             # misses; a kept count would drop it at its first missed heartbeat.
             self.heartbeat_failures.pop(failed_bootstrap_addr, None)
@@ -3024,6 +3287,7 @@ class CommonKVManager(BaseKVManager):
 
         for endpoint in stale_endpoints:
             CommonKVReceiver.disconnect_endpoint(endpoint)
+        _bootstrap_http.forget(failed_bootstrap_addr)
 
         affected_rooms = []
         for room in possible_affected_rooms:
@@ -3451,6 +3715,8 @@ class CommonKVReceiver(BaseKVReceiver):
     _lifecycle_lock = nullcontext()
     # init() waiting for CommonKVManager.bootstrap_setup(); poll() resumes it.
     _bootstrap_setup: Optional[concurrent.futures.Future] = None
+    # On the copy that such a setup runs on: the reasons it failed.
+    _setup_failures: Optional[List[str]] = None
 
     _ctx = zmq.Context()
     _ctx.set(zmq.MAX_SOCKETS, envs.SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS.get())
@@ -3617,12 +3883,9 @@ class CommonKVReceiver(BaseKVReceiver):
         """Go on with init() once its background route setup has ended; False
         while it runs. Never waits."""
         setup = self._bootstrap_setup
-        if setup.done():
-            try:
-                reason = setup.result()
-            except BaseException as e:
-                reason = f"Bootstrap info setup for {self.bootstrap_addr} failed: {e!r}"
-        elif setup.overdue():
+        if setup.retired or setup.overdue():
+            # Cut off (by this or another receiver that shared it, or by its
+            # prefill's failure), whatever it returned.
             with self.kv_mgr.connection_lock:
                 setup.retire()
             reason = (
@@ -3630,6 +3893,11 @@ class CommonKVReceiver(BaseKVReceiver):
                 f"{setup.timeout_s} s after they were submitted. Check the prefill's "
                 f"bootstrap server and the network between the two."
             )
+        elif setup.done():
+            try:
+                reason = setup.result()
+            except BaseException as e:
+                reason = f"Bootstrap info setup for {self.bootstrap_addr} failed: {e!r}"
         else:
             return False
         self._bootstrap_setup = None
@@ -3681,16 +3949,9 @@ class CommonKVReceiver(BaseKVReceiver):
                             )
                             bootstrap_infos.append(bootstrap_info)
                         else:
-                            self.kv_mgr.record_failure(
-                                self.bootstrap_room,
+                            self._fail_bootstrap_setup(
                                 f"Could not fetch bootstrap info from {self.bootstrap_addr} for: prefill_dp_rank: {self.prefill_dp_rank} prefill_cp_rank: {target_cp_rank} target_tp_rank: {target_tp_rank} and target_pp_rank {target_pp_rank}",
                             )
-                            self.conclude_state = KVPoll.Failed
-                            self.kv_mgr.update_status(
-                                self.bootstrap_room, KVPoll.Failed
-                            )
-                            self.bootstrap_infos = None
-                            self.invalidate_cached_bootstrap_infos()
                             return
 
                 self.bootstrap_infos = bootstrap_infos
@@ -3699,7 +3960,7 @@ class CommonKVReceiver(BaseKVReceiver):
                 # Register kv_args only once to prefill KVManager according to the info fetched
                 # from the bootstrap server. Do this before caching in connection_pool so a failed
                 # registration does not leave a stale entry that later requests would reuse.
-                if not self._register_kv_args():
+                if _fetch_retired() or not self._register_kv_args():
                     self.invalidate_cached_bootstrap_infos()
                     return
 
@@ -3727,6 +3988,18 @@ class CommonKVReceiver(BaseKVReceiver):
 
         self.bootstrap_infos = all_bootstrap_infos
 
+    def _fail_bootstrap_setup(self, reason: str) -> None:
+        self.conclude_state = KVPoll.Failed
+        self.bootstrap_infos = None
+        self.invalidate_cached_bootstrap_infos()
+        if self._setup_failures is not None:
+            # A background setup (CommonKVManager.bootstrap_setup): each
+            # receiver that waited for it fails its own room.
+            self._setup_failures.append(reason)
+            return
+        self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+
     def invalidate_cached_bootstrap_infos(self) -> None:
         with self.kv_mgr.connection_lock:
             for bootstrap_key, bootstrap_infos in self._connection_pool_entries.items():
@@ -3740,8 +4013,7 @@ class CommonKVReceiver(BaseKVReceiver):
         """Fetch the bootstrap info from the bootstrap server."""
         try:
             url = f"http://{self.bootstrap_addr}/route?prefill_dp_rank={prefill_dp_rank}&prefill_cp_rank={prefill_cp_rank}&target_tp_rank={target_tp_rank}&target_pp_rank={target_pp_rank}"
-            with _bootstrap_session(self.bootstrap_addr) as session:
-                response = session.get(url, timeout=5)
+            response = _bootstrap_http.get(url, timeout=5)
             if response.status_code == 200:
                 bootstrap_info = response.json()
                 # Checked here: init() would raise on the scheduler thread.
@@ -3758,8 +4030,8 @@ class CommonKVReceiver(BaseKVReceiver):
                     f"Failed to get prefill server info: {response.status_code}, {response.text}"
                 )
                 return None
-        except requests.RequestException as e:
-            logger.error(f"Error fetching prefill info from bootstrap: {e}")
+        except _BOOTSTRAP_HTTP_ERRORS as e:
+            _log_bootstrap_error(f"Error fetching prefill info from bootstrap: {e}")
             return None
         except Exception:
             logger.exception(
@@ -3774,12 +4046,11 @@ class CommonKVReceiver(BaseKVReceiver):
         """Batch query prefill dp_ranks for given bootstrap_rooms."""
         try:
             url = f"http://{bootstrap_addr}/query_dp_ranks"
-            with _bootstrap_session(bootstrap_addr) as session:
-                response = session.post(
-                    url,
-                    json={"bootstrap_rooms": bootstrap_rooms},
-                    timeout=5,
-                )
+            response = _bootstrap_http.post(
+                url,
+                json={"bootstrap_rooms": bootstrap_rooms},
+                timeout=5,
+            )
             if response.status_code == 200:
                 room_to_rank = response.json()
                 # Read on the scheduler thread: a malformed answer must not raise.
@@ -3797,8 +4068,8 @@ class CommonKVReceiver(BaseKVReceiver):
                     f"Failed to query dp_ranks: {response.status_code}, {response.text}"
                 )
                 return {}
-        except requests.RequestException as e:
-            logger.error(f"Error querying dp_ranks from bootstrap: {e}")
+        except _BOOTSTRAP_HTTP_ERRORS as e:
+            _log_bootstrap_error(f"Error querying dp_ranks from bootstrap: {e}")
             return {}
         except Exception:
             logger.exception(
@@ -3826,6 +4097,14 @@ class CommonKVReceiver(BaseKVReceiver):
 
     @classmethod
     def disconnect_endpoint(cls, endpoint: str):
+        if cls._push_sender is not None:
+            # The push sender thread is the only user of these sockets.
+            cls._push_sender.forget(endpoint)
+            return
+        cls._close_endpoint(endpoint)
+
+    @classmethod
+    def _close_endpoint(cls, endpoint: str):
         with cls._global_lock:
             sock = cls._socket_cache.pop(endpoint, None)
             lock = cls._socket_locks.pop(endpoint, None)
@@ -3840,6 +4119,14 @@ class CommonKVReceiver(BaseKVReceiver):
     @classmethod
     def close_all_sockets(cls):
         """Close all cached PUSH sockets on role switch, keeping ``_ctx`` reusable."""
+        if cls._push_sender is not None:
+            # The push sender thread is the only user of these sockets.
+            cls._push_sender.close_all()
+            return
+        cls._close_all_endpoints()
+
+    @classmethod
+    def _close_all_endpoints(cls):
         with cls._global_lock:
             entries = list(cls._socket_cache.items())
             locks = cls._socket_locks.copy()
@@ -3878,12 +4165,13 @@ class CommonKVReceiver(BaseKVReceiver):
 
         message = self.kv_mgr.build_receiver_registration_message()
         for bootstrap_info in self.bootstrap_infos:
-            if not self._send_bootstrap_message(
+            # Posted, not sent inline: this runs on a fetch thread, and the
+            # push sender is the only thread that touches a prefill's socket.
+            self._post_bootstrap_message(
                 bootstrap_info=bootstrap_info,
                 message=message,
                 operation="_register_kv_args",
-            ):
-                return False
+            )
         return True
 
     def _send_bootstrap_message(
@@ -3922,20 +4210,23 @@ class CommonKVReceiver(BaseKVReceiver):
         *,
         bootstrap_info: dict,
         message: List[bytes],
-        operation: Literal["BOOTSTRAP", "send_metadata"],
+        operation: Literal["_register_kv_args", "BOOTSTRAP", "send_metadata"],
     ) -> None:
         """Like _send_bootstrap_message, but sent by the push sender thread:
-        the scheduler thread does not wait. A failed send fails the request
-        as an inline one did, and the routes are fetched again."""
+        the caller does not wait. A failed send fails the request as an
+        inline one did, if it has not ended since, and the routes are fetched
+        again."""
 
         def on_failure(exc: BaseException) -> None:
+            if operation != "BOOTSTRAP":
+                self.invalidate_cached_bootstrap_infos()
+            if self.kv_mgr.request_status.get(self.bootstrap_room) is None:
+                return  # the request has ended: nothing to fail
             self.kv_mgr.record_failure(
                 self.bootstrap_room,
                 f"{operation} to prefill {bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')} failed: {exc!r}",
             )
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            if operation == "send_metadata":
-                self.invalidate_cached_bootstrap_infos()
 
         self.start_push_sender().post(bootstrap_info, message, on_failure)
 
@@ -4039,14 +4330,19 @@ class CommonKVReceiver(BaseKVReceiver):
         self.kv_mgr.addr_to_rooms_tracker[self.bootstrap_addr].discard(
             self.bootstrap_room
         )
+        # A failure recorded for this room and never read by failure_exception()
+        # (the request was aborted, or ended before a late send failure) goes
+        # with the room.
+        with self.kv_mgr.failure_lock:
+            self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
         if self.kv_mgr.defer_decode_allocation:
             self._owns_bootstrap_room = False
 
     def failure_exception(self):
         self.conclude_state = KVPoll.Failed
-        self.clear()
         with self.kv_mgr.failure_lock:
             failure_reason = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
+        self.clear()
         raise KVTransferError(
             self.bootstrap_room,
             failure_reason or "Failed due to an unknown reason from another rank",
