@@ -22,6 +22,14 @@ in-process bootstrap servers that answer /health until they are frozen.
   the same cycles with and without a request every 4th cycle (both variants).
 - P12: time until the heartbeat declares K prefills failed that freeze at
   once, default heartbeat settings (interval 5 s, 2 failures).
+- P12b: time from one prefill's death (it freezes, or it refuses
+  connections) to its declaration, alone and while 31 others are frozen.
+- P15: 1,000 prefill addresses come and go, 50 at a time: each answers its
+  bootstrap queries for one request, then goes away and is declared failed.
+  The decode's threads, open fds and PD tables (its state log), idle after
+  the first 50 and idle after all 1,000 (patched only; timers shortened:
+  heartbeat every 2 s, lane threads and keep-alive connections idle 2 s,
+  orphaned rooms kept 5 s).
 - The decode's threads and open fds with 64 frozen prefills, and after they
   are gone (lane threads started in that scenario end after 2 s idle, 60 s
   by default). Each scenario starts 1 s after the previous one's clean-up.
@@ -39,6 +47,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "test", "pd_loopback"))
@@ -50,6 +59,7 @@ for _key in (
     os.environ.pop(_key, None)  # P12 uses sglang's defaults
 
 import harness  # noqa: E402  (sets the loopback environment first)
+import requests  # noqa: E402
 from bench_stall import dp_query_faults  # noqa: E402
 
 PERIOD_S = 0.005
@@ -102,23 +112,39 @@ class Trickle:
 
 class HealthServer:
     """A bootstrap server answering /health, until frozen: then it takes
-    requests in and never answers (as a SIGSTOPped one)."""
+    requests in and never answers (as a SIGSTOPped one). With ``info`` it
+    also answers /route: that parallel info, and a rank route to a port
+    nobody listens on."""
 
-    def __init__(self):
+    def __init__(self, info: Optional[dict] = None):
         frozen = self.frozen = threading.Event()
         done = self.done = threading.Event()
+        dead = socket.socket()
+        dead.bind((HOST, 0))
+        rank = {"rank_ip": HOST, "rank_port": dead.getsockname()[1]}
+        dead.close()
+
+        conns = self.conns = []
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                super().setup()
+                conns.append(self.connection)
 
             def do_GET(self):
                 if frozen.is_set():
                     done.wait(600)
                     return
+                body = b"ok"
+                if info is not None and self.path.startswith("/route"):
+                    answer = info if "prefill_dp_rank=-1" in self.path else rank
+                    body = json.dumps(answer).encode()
                 self.send_response(200)
-                self.send_header("Content-Length", "2")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(b"ok")
+                self.wfile.write(body)
 
             def log_message(self, *args):
                 pass
@@ -129,9 +155,16 @@ class HealthServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self):
+        """Gone, as a killed process: connections refused, and the open
+        keep-alive ones closed."""
         self.done.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+        for conn in self.conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def pct(values, q):
@@ -287,18 +320,22 @@ class Bench:
 
     # -- P12 --------------------------------------------------------------
 
+    def known_and_healthy(self, servers) -> None:
+        """Each is a known prefill, and has answered a heartbeat round."""
+        mgr = self.cluster.decode.kv_manager
+        for s in servers:
+            mgr.prefill_info_table[s.addr] = object()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+            mgr.heartbeat_failures.get(s.addr) == 0 for s in servers
+        ):
+            time.sleep(0.05)
+
     def detection(self, k: int, cap_s: float = 90.0) -> dict:
         mgr = self.cluster.decode.kv_manager
         servers = [HealthServer() for _ in range(k)]
         try:
-            for s in servers:
-                mgr.prefill_info_table[s.addr] = object()
-            # One answered round first, so each is a known, healthy prefill.
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not all(
-                mgr.heartbeat_failures.get(s.addr) == 0 for s in servers
-            ):
-                time.sleep(0.05)
+            self.known_and_healthy(servers)
             t0 = time.monotonic()
             for s in servers:
                 s.frozen.set()
@@ -320,6 +357,115 @@ class Bench:
                 s.close()
                 mgr.prefill_info_table.pop(s.addr, None)
                 mgr.heartbeat_failures.pop(s.addr, None)
+
+    def one_death(self, death: str, others: int, cap_s: float = 60.0) -> dict:
+        """P12b: seconds from one prefill's death to its declaration, while
+        ``others`` other prefills are frozen (since 2 s before)."""
+        mgr = self.cluster.decode.kv_manager
+        target = HealthServer()
+        frozen = [HealthServer() for _ in range(others)]
+        servers = [target] + frozen
+        try:
+            self.known_and_healthy(servers)
+            for s in frozen:
+                s.frozen.set()
+            time.sleep(2.0)  # their probes are in flight when it dies
+            t0 = time.monotonic()
+            if death == "freeze":
+                target.frozen.set()
+            else:
+                target.close()  # connections refused from now on
+            declared_s = None
+            while time.monotonic() - t0 < cap_s:
+                if target.addr not in mgr.prefill_info_table:
+                    declared_s = time.monotonic() - t0
+                    break
+                time.sleep(0.05)
+            return {"death": death, "others": others, "declared_s": declared_s}
+        finally:
+            for s in servers:
+                s.close()
+                mgr.prefill_info_table.pop(s.addr, None)
+                mgr.heartbeat_failures.pop(s.addr, None)
+
+    # -- P15 --------------------------------------------------------------
+
+    def churn(self, total: int = 1000, wave: int = 50) -> dict:
+        """P15: ``total`` prefill addresses come and go, ``wave`` at a time."""
+        from sglang.srt.disaggregation.common import conn
+
+        d = self.cluster.decode
+        mgr = d.kv_manager
+        healthy = self.cluster.prefills[0]
+        info = requests.get(
+            f"http://{healthy.addr}/route?prefill_dp_rank=-1"
+            "&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+            timeout=5,
+        ).json()
+        pool = mgr._parallel_info_executor
+        saved = (
+            pool._idle_s,
+            mgr.heartbeat_interval,
+            mgr._orphaned_rooms.max_age_s,
+            conn._bootstrap_http._idle_s,
+        )
+        pool._idle_s = LANE_IDLE_S
+        mgr.heartbeat_interval = 2.0
+        mgr._orphaned_rooms.max_age_s = 5.0
+        conn._bootstrap_http._idle_s = LANE_IDLE_S
+        d.run_for(6.0, period_s=0.05)  # the heartbeat picks its interval up
+
+        def come_and_go():
+            servers = [HealthServer(info) for _ in range(wave)]
+            for s in servers:
+                d.add(s.addr)
+            d.run_for(2.0, period_s=0.02)  # its bootstrap queries
+            peak = threads_and_fds()
+            for s in servers:
+                s.close()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and any(
+                s.addr in mgr.prefill_info_table for s in servers
+            ):
+                d.run_for(0.25, period_s=0.02)
+            return peak
+
+        def idle():
+            # Everything idle runs out: lane threads, connections, orphaned
+            # rooms, and the heartbeat's probes of their prefills.
+            d.abort_all()
+            d.run_for(12.0, period_s=0.05)
+            return threads_and_fds(), mgr.disaggregation_state()
+
+        try:
+            # A first wave warms up what stays (sockets and threads of the
+            # process, not of any prefill): the baseline is idle after it.
+            come_and_go()
+            before, state_before = idle()
+            peak = before
+            t_start = time.monotonic()
+            for start in range(wave, total, wave):
+                peak = tuple(map(max, peak, come_and_go()))
+                self.say(f"P15 {start + wave} of {total} come and gone")
+            churn_s = time.monotonic() - t_start
+            after, state_after = idle()
+        finally:
+            (
+                pool._idle_s,
+                mgr.heartbeat_interval,
+                mgr._orphaned_rooms.max_age_s,
+                conn._bootstrap_http._idle_s,
+            ) = saved
+        return {
+            "total": total,
+            "wave": wave,
+            "churn_s": churn_s,
+            "before": {"threads": before[0], "fds": before[1]},
+            "peak": {"threads": peak[0], "fds": peak[1]},
+            "after": {"threads": after[0], "fds": after[1]},
+            "state_before": state_before,
+            "state_after": state_after,
+        }
 
     # -- threads and fds --------------------------------------------------
 
@@ -398,9 +544,17 @@ class Bench:
                 self.say(f"P12 k={k}")
                 cap = 90.0 if self.patched or k < 32 else 60.0
                 out["p12"].append(self.detection(k, cap_s=cap))
+            out["p12b"] = []
+            for death in ("refuse", "freeze") if "p12b" in want else ():
+                for others in (0, 31):
+                    self.say(f"P12b {death}, {others} others frozen")
+                    out["p12b"].append(self.one_death(death, others))
             if self.patched and "resources" in want:
                 self.say("threads and fds, 64 frozen")
                 out["resources"] = self.resources()
+            if self.patched and "p15" in want:
+                self.say("P15")
+                out["p15"] = self.churn(total=200 if quick else 1000)
         return out
 
 
@@ -410,7 +564,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="mooncake", choices=["mooncake", "nixl"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
-        "--scenarios", default="p9,p10,p11,p12,resources", help="comma-separated"
+        "--scenarios",
+        default="p9,p10,p11,p12,p12b,resources,p15",
+        help="comma-separated",
     )
     args = ap.parse_args(argv)
     args.scenarios = set(args.scenarios.split(","))

@@ -17,6 +17,7 @@ GOAL_P9_S = 0.010  # healthy request at K = 64
 GOAL_P10_MS = 1.0  # p99 at N = 5,000
 GOAL_P11 = 1.05  # patched / stock CPU per admitted request
 GOAL_P12_S = 20.0  # K = 32 declared failed
+GOAL_P12B_S = 1.0  # one death among 31 frozen, against alone
 
 
 def load(path):
@@ -83,7 +84,7 @@ def goals(stock, patched):
                 f"{'met' if p12['last_s'] <= GOAL_P12_S else 'not met'}: "
                 f"{p12['last_s']:.1f} s"
             )
-        rows.append((name, p9, p10, p12))
+        rows.append((name, p9, p10, p12, p12b_goal(doc)))
     s11, p11 = stock["p11"]["cpu_per_request_ms"], patched["p11"]["cpu_per_request_ms"]
     ratio = p11 / s11 if s11 else float("inf")
     out = [
@@ -97,8 +98,54 @@ def goals(stock, patched):
         f"{p11:.2f} ms, {ratio:.3f}x |",
         f"| P12: K = 32 frozen prefills declared failed within 20 s "
         f"| {rows[0][3]} | {rows[1][3]} |",
+        f"| P12b: one prefill's death declared among 31 frozen within 1 s of "
+        f"alone | {rows[0][4]} | {rows[1][4]} |",
+        f"| P15: 1,000 prefill addresses come and go; threads, fds and tables "
+        f"back to idle | not run (stock has no table log) | {p15_goal(patched)} |",
     ]
     return out
+
+
+def p12b_row(doc, death, others):
+    return next(
+        (
+            r
+            for r in doc.get("p12b", [])
+            if r["death"] == death and r["others"] == others
+        ),
+        None,
+    )
+
+
+def p12b_goal(doc):
+    cells = []
+    for death in ("refuse", "freeze"):
+        alone, among = p12b_row(doc, death, 0), p12b_row(doc, death, 31)
+        if alone is None or among is None:
+            continue
+        if alone["declared_s"] is None or among["declared_s"] is None:
+            cells.append(f"not met ({death}): not declared")
+            continue
+        gap = among["declared_s"] - alone["declared_s"]
+        cells.append(
+            f"{'met' if abs(gap) <= GOAL_P12B_S else 'not met'} ({death}): "
+            f"{among['declared_s']:.1f} s against {alone['declared_s']:.1f} s"
+        )
+    return "; ".join(cells) if cells else "not run"
+
+
+def p15_goal(doc):
+    r = doc.get("p15")
+    if r is None:
+        return "not run"
+    grown = {k: v for k, v in r["state_after"].items() if v > r["state_before"][k]}
+    threads = r["after"]["threads"] - r["before"]["threads"]
+    fds = r["after"]["fds"] - r["before"]["fds"]
+    met = not grown and threads <= 0 and fds <= 0
+    return (
+        f"{'met' if met else 'not met'}: threads {threads:+d}, fds {fds:+d}, "
+        f"tables grown: {', '.join(grown) or 'none'}"
+    )
 
 
 def report(stock, patched, png_name):
@@ -195,6 +242,34 @@ def report(stock, patched, png_name):
             else:
                 cells.append(f"{r['first_s']:.1f}-{r['last_s']:.1f} s")
         lines.append(f"| {k} | {cells[0]} | {cells[1]} |")
+    if any(d.get("p12b") for d in (stock, patched)):
+        lines += [
+            "",
+            "## P12b: one prefill's death, alone and among 31 frozen prefills",
+            "",
+            "Seconds from its death to its declaration (interval 5 s, 2 "
+            "failures). 'refuse': it is killed, connections are refused; "
+            "'freeze': it takes connections in and answers nothing. The 31 "
+            "others froze 2 s before.",
+            "",
+            "| death | others frozen | stock | patched |",
+            "|---|---|---|---|",
+        ]
+        for death in ("refuse", "freeze"):
+            for others in (0, 31):
+                cells = []
+                for doc in (stock, patched):
+                    r = p12b_row(doc, death, others)
+                    cells.append(
+                        "not run"
+                        if r is None
+                        else (
+                            f"{r['declared_s']:.1f} s"
+                            if r["declared_s"] is not None
+                            else "not declared in 60 s"
+                        )
+                    )
+                lines.append(f"| {death} | {others} | {cells[0]} | {cells[1]} |")
     res = patched.get("resources")
     if res:
         lines += [
@@ -214,6 +289,31 @@ def report(stock, patched, png_name):
             f"{res['after']['threads']} |",
             f"| open fds | {res['before']['fds']} | {res['peak']['fds']} | "
             f"{res['after']['fds']} |",
+        ]
+    p15 = patched.get("p15")
+    if p15:
+        keys = sorted(p15["state_after"])
+        lines += [
+            "",
+            f"## P15: {p15['total']:,} prefill addresses come and go (patched)",
+            "",
+            f"{p15['wave']} at a time, {p15['churn_s']:.0f} s in all: each "
+            "answers the bootstrap queries of one request, then is killed and "
+            "declared failed (heartbeat every 2 s; lane threads and keep-alive "
+            "connections end after 2 s idle, orphaned rooms are kept 5 s). "
+            "'Idle' is measured 12 s after the last of a run of waves, the "
+            f"baseline after the first {p15['wave']}.",
+            "",
+            "| | idle, baseline | peak | idle, after all |",
+            "|---|---|---|---|",
+            f"| threads | {p15['before']['threads']} | {p15['peak']['threads']} | "
+            f"{p15['after']['threads']} |",
+            f"| open fds | {p15['before']['fds']} | {p15['peak']['fds']} | "
+            f"{p15['after']['fds']} |",
+            *[
+                f"| {k} | {p15['state_before'][k]} | | {p15['state_after'][k]} |"
+                for k in keys
+            ],
         ]
     return "\n".join(lines) + "\n"
 
