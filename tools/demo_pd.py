@@ -77,6 +77,32 @@ WORDS = (
 ).split()
 
 
+# sglang-router settings for PD (README, "Router settings for PD"), with the
+# decode's waiting timeout below the router's request timeout.
+# --router-defaults runs without them. With sglang-router 0.3.2's defaults:
+# - its health check runs every 60 s and needs 3 failures, so a dead prefill
+#   stays in rotation for minutes;
+# - its circuit breaker opens a worker after 10 consecutive 5xx, and charges a
+#   failed attempt to both workers of its pair: the decode's 500s for the
+#   requests of a prefill that died take the only decode out of rotation for
+#   60 s ("No available decode workers"). No decode status avoids that for a
+#   non-streaming request: those it retries are charged (docs/operators.md).
+ROUTER_REQUEST_TIMEOUT_S = 60
+ROUTER_REQUEST_TIMEOUT = ["--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S)]
+ROUTER_PD_SETTINGS = [
+    "--health-check-interval-secs", "2",
+    "--health-failure-threshold", "2",
+    "--health-success-threshold", "1",
+    "--health-check-timeout-secs", "5",
+    "--disable-circuit-breaker",
+]  # fmt: skip
+# The decode aborts a request whose KV has not come this long after its
+# bootstrap (0.5.23's default: 300 s), below the router's request timeout: a
+# prefill leg lost at the prefill's HTTP server (docs/operators.md) then comes
+# back as a decode error the router retries elsewhere, instead of the router's
+# own timeout, whose retry the decode rejects as a duplicate rid.
+DECODE_WAITING_TIMEOUT_S = 30
+
 # Load calibration (see the module docstring).
 CALIBRATION_CLIENTS = 8  # the decode holds ~7 requests (4096 tokens / 512 reserved)
 CALIBRATION_SECONDS = 20.0
@@ -702,6 +728,12 @@ def parse_args(argv=None):
     ap.add_argument(
         "--quick", action="store_true", help="short phases (10 s / 30 s / 10 s)"
     )
+    ap.add_argument(
+        "--router-defaults",
+        action="store_true",
+        help="run sglang-router with its defaults and the decode with sglang's "
+        "waiting timeout, not ROUTER_PD_SETTINGS and DECODE_WAITING_TIMEOUT_S",
+    )
     ap.add_argument("--model-dir", type=Path, default=None, help="model cache dir")
     return ap.parse_args(argv)
 
@@ -752,7 +784,12 @@ def run(args, procs: Processes) -> dict:
     for name, (port, extra) in servers.items():
         role = "decode" if name == "decode" else "prefill"
         cmd = server_cmd(model, role, port, args, extra)
-        procs.start(name, cmd, env, out / f"{name}.log")
+        server_env_ = dict(env)
+        if name == "decode" and not args.router_defaults:
+            server_env_["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(
+                DECODE_WAITING_TIMEOUT_S
+            )
+        procs.start(name, cmd, server_env_, out / f"{name}.log")
         urls[name] = f"http://{HOST}:{port}"
     # The router starts alongside and registers the servers once they are up.
     router_url = f"http://{HOST}:{rport}"
@@ -766,6 +803,8 @@ def run(args, procs: Processes) -> dict:
         "--policy", "round_robin",
         "--worker-startup-check-interval", "2",
     ]  # fmt: skip
+    if not args.router_defaults:
+        router_cmd += ROUTER_REQUEST_TIMEOUT + ROUTER_PD_SETTINGS
     procs.start("router", router_cmd, env, out / "router.log")
     log(f"started 3 servers + router (logs in {out}); waiting for /health")
     mem = MemorySampler(procs)
@@ -1015,7 +1054,9 @@ def run(args, procs: Processes) -> dict:
         "ports": {"prefill1": [p1, b1], "prefill2": [p2, b2], "decode": dport,
                   "router": rport},
         "router": {"policy": "round_robin", "workers": workers,
-                   "cmd": router_cmd},
+                   "cmd": router_cmd, "defaults": args.router_defaults},
+        "decode_waiting_timeout_s": (
+            None if args.router_defaults else DECODE_WAITING_TIMEOUT_S),
         "startup_s": {"servers_healthy": startup, **ready,
                       "router_registered": router_ready},
         "requests": rows,

@@ -153,7 +153,9 @@ def _generic(msg: Optional[str]) -> str:
 
 
 def label(result: dict) -> str:
-    return f"{result['variant']['label']} ({result['backend']})"
+    router = result.get("router", {})
+    settings = ", router defaults" if router.get("defaults") else ""
+    return f"{result['variant']['label']} ({result['backend']}{settings})"
 
 
 def load_table(results: List[dict]) -> List[str]:
@@ -220,6 +222,12 @@ def goals(result: dict, s: dict) -> List[tuple]:
         else None
     )
     open_at_end = sum(1 for r in result["requests"] if r["outcome"] == "open")
+    # The other prefill is healthy throughout: it could serve every request.
+    failed = Counter(
+        f"{r['outcome']} {r.get('status') or ''}".strip()
+        for r in result["requests"]
+        if r["outcome"] not in ("ok", "open")
+    )
     frozen = [
         r
         for r in result["requests"]
@@ -250,7 +258,22 @@ def goals(result: dict, s: dict) -> List[tuple]:
             f"{late} of {len(frozen)}",
             late == 0,
         ),
-        ("client requests still open when the demo stopped", str(open_at_end), None),
+        (
+            "no request fails while a prefill could serve it (after the "
+            "router's retries)",
+            f"{sum(failed.values())} of {len(result['requests'])}"
+            + (
+                " (" + ", ".join(f"{k}: {v}" for k, v in failed.most_common()) + ")"
+                if failed
+                else ""
+            ),
+            not failed,
+        ),
+        (
+            "client requests still open when the demo stopped",
+            str(open_at_end),
+            open_at_end == 0,
+        ),
     ]
 
 

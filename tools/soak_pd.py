@@ -57,7 +57,11 @@ from demo_pd import (  # noqa: E402
     CALIBRATION_ATTEMPTS,
     CALIBRATION_MAX_STALL_S,
     CALIBRATION_SECONDS,
+    DECODE_WAITING_TIMEOUT_S,
     HOST,
+    ROUTER_PD_SETTINGS,
+    ROUTER_REQUEST_TIMEOUT,
+    ROUTER_REQUEST_TIMEOUT_S,
     MemorySampler,
     Processes,
     RequestLog,
@@ -98,28 +102,7 @@ RESTART_RESERVE_S = 140.0
 RESTART_SERVE_S = 20.0
 RESTART_MAX_S = 300.0
 
-# The router's request timeout; the client's stays well above it.
-ROUTER_REQUEST_TIMEOUT_S = 60
-# sglang-router settings for PD (README, "Router settings for PD"). Its
-# defaults check a worker's /health once a minute, so a dead prefill stays in
-# rotation for minutes, and its circuit breaker counts the decode's 500 for a
-# request whose prefill died against the decode: 10 of them and the only
-# decode is out of rotation ("No available decode workers"). --router-defaults
-# runs without these.
-ROUTER_PD_SETTINGS = [
-    "--health-check-interval-secs", "2",
-    "--health-failure-threshold", "2",
-    "--health-success-threshold", "1",
-    "--health-check-timeout-secs", "5",
-    "--disable-circuit-breaker",
-]  # fmt: skip
 CLIENT_TIMEOUT_S = 150.0
-# The decode aborts a request whose KV has not come this long after its
-# bootstrap (0.5.23's default: 300 s), below the router's request timeout: a
-# prefill leg lost at the prefill's HTTP server (README, "Router settings for
-# PD") then comes back as a decode error the router retries elsewhere, instead
-# of the router's own timeout, whose retry the decode rejects as a duplicate rid.
-DECODE_WAITING_TIMEOUT_S = 30
 # After the load stops: wait this long for open requests.
 DRAIN_S = ROUTER_REQUEST_TIMEOUT_S + 15.0
 # After the drain, let the decode go idle before the last resource sample
@@ -313,7 +296,7 @@ class Deployment:
             "--prometheus-host", HOST, "--prometheus-port", str(self.prom_port),
             "--policy", "round_robin",
             "--worker-startup-check-interval", "2",
-            "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
+            *ROUTER_REQUEST_TIMEOUT,
         ]  # fmt: skip
         if not self.args.router_defaults:
             self.router_cmd += ROUTER_PD_SETTINGS
