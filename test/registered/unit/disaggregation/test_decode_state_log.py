@@ -9,8 +9,10 @@ test_no_network_on_scheduler_thread.py; time is a FakeClock.
 import json
 import threading
 import unittest
+from types import SimpleNamespace
 
 from sglang.srt.disaggregation import decode as decode_mod
+from sglang.srt.disaggregation.common import conn as conn_mod
 from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.decode import DecodeRequest
 from sglang.srt.disaggregation.fake.conn import FakeKVManager
@@ -99,6 +101,30 @@ class TestDecodeStateLog(CustomTestCase):
         release.set()
         drain(self.mgr)
         self.assertEqual(self.logged_after(INTERVAL)["fetches_in_flight"], 0)
+
+
+class TestFetchesInFlight(CustomTestCase):
+    def test_every_task_is_counted(self):
+        pool = conn_mod._BootstrapFetchPool("test-count")
+        self.addCleanup(pool.shutdown, wait=False, cancel_futures=True)
+        release = threading.Event()
+        self.addCleanup(release.set)
+        # A dp-rank query takes a list, a rebootstrap call a dict payload:
+        # neither hashes, and both count.
+        tasks = [
+            pool.submit(lambda addr, rooms: release.wait(30), ADDR, [1]),
+            pool.submit(
+                lambda receiver, payload: release.wait(30),
+                SimpleNamespace(bootstrap_addr=ADDR),
+                {"rid": "r"},
+            ),
+            pool.submit(lambda addr: release.wait(30), ADDR),
+        ]
+        self.assertEqual(pool.in_flight(), 3)
+        release.set()
+        for task in tasks:
+            task.result(timeout=30)
+        self.assertEqual(pool.in_flight(), 0)
 
 
 class TestEveryTransferBackend(CustomTestCase):

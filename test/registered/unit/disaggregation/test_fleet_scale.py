@@ -549,9 +549,18 @@ class TestTablesDrainAfterChurn(NoNetworkBase):
             self.http.sweep()
 
         self.assertEqual(self.mgr._bootstrap_setups, {})
-        self.assertEqual(
-            {k: v for k, v in self.mgr.disaggregation_state().items() if v}, {}
-        )
+        for table in (
+            "prefill_info_table",
+            "connection_pool",
+            "heartbeat_failures",
+            "failure_records",
+            "request_status",
+            "_parallel_info_inflight",
+        ):
+            self.assertEqual(len(getattr(self.mgr, table)), 0, table)
+        self.assertEqual(self.mgr._orphaned_rooms.addrs(), [])
+        self.assertEqual(self.mgr._orphaned_rooms.endpoint_count(), 0)
+        self.assertEqual(self.pool.thread_count(), 0)
         self.assertEqual(dict(self.mgr.addr_to_rooms_tracker), {})
         self.assertEqual(self.mgr.session_pool, {})
         self.assertEqual(
