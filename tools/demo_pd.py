@@ -239,6 +239,17 @@ def free_ports(n: int) -> List[int]:
     return ports
 
 
+def scheduler_pid(procs: Processes, name: str) -> Optional[int]:
+    """The pid of a server's scheduler process (a child of launch_server)."""
+    for p in procs.tree(name)[1:]:
+        try:
+            if "scheduler" in p.name() or "sglang::scheduler" in " ".join(p.cmdline()):
+                return p.pid
+        except psutil.Error:
+            continue
+    return None
+
+
 def listener_pid(procs: Processes, name: str, port: int) -> Optional[int]:
     for p in procs.tree(name):
         try:
@@ -297,6 +308,9 @@ def server_env(backend: str) -> dict:
 
 
 def server_cmd(model: Path, role: str, port: int, args, extra: List[str]):
+    policy = getattr(args, "allocation_policy", "early")
+    if policy != "early":
+        extra = extra + ["--disaggregation-decode-allocation-policy", policy]
     cmd = [
         sys.executable,
         "-m",
@@ -729,6 +743,19 @@ def parse_args(argv=None):
         "--quick", action="store_true", help="short phases (10 s / 30 s / 10 s)"
     )
     ap.add_argument(
+        "--fault",
+        choices=("bootstrap", "scheduler"),
+        default="bootstrap",
+        help="what of prefill 2 is frozen: the process of its HTTP and bootstrap "
+        "servers, or its scheduler process alone (both servers keep answering)",
+    )
+    ap.add_argument(
+        "--allocation-policy",
+        choices=("early", "prefill_complete"),
+        default="early",
+        help="--disaggregation-decode-allocation-policy of every server",
+    )
+    ap.add_argument(
         "--router-defaults",
         action="store_true",
         help="run sglang-router with its defaults and the decode with sglang's "
@@ -837,13 +864,20 @@ def run(args, procs: Processes) -> dict:
         + " s"
     )
 
-    frozen_pid = listener_pid(procs, "prefill2", b2)
-    if frozen_pid is None:
-        raise RuntimeError(f"no process of prefill2 listens on bootstrap port {b2}")
-    log(
-        f"prefill2's bootstrap server :{b2} is hosted by pid {frozen_pid} "
-        f"(the launch_server process is pid {procs.procs['prefill2'].pid})"
-    )
+    if args.fault == "scheduler":
+        # Its HTTP and bootstrap servers keep answering: a hung scheduler.
+        frozen_pid = scheduler_pid(procs, "prefill2")
+        if frozen_pid is None:
+            raise RuntimeError("no scheduler process of prefill2 found")
+        log(f"prefill2's scheduler is pid {frozen_pid}")
+    else:
+        frozen_pid = listener_pid(procs, "prefill2", b2)
+        if frozen_pid is None:
+            raise RuntimeError(f"no process of prefill2 listens on bootstrap port {b2}")
+        log(
+            f"prefill2's bootstrap server :{b2} is hosted by pid {frozen_pid} "
+            f"(the launch_server process is pid {procs.procs['prefill2'].pid})"
+        )
 
     # The load: what this machine serves with both prefills healthy.
     calibration = None
@@ -1044,8 +1078,10 @@ def run(args, procs: Processes) -> dict:
         "phases": {"before": before, "freeze": freeze, "after": after},
         "freeze_window": window,
         "t_cut": t_cut,
+        "allocation_policy": args.allocation_policy,
         "frozen": {
             "server": "prefill2",
+            "what": args.fault,
             "pid": frozen_pid,
             "launch_pid": procs.procs["prefill2"].pid,
             "bootstrap_port": b2,

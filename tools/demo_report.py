@@ -155,6 +155,9 @@ def _generic(msg: Optional[str]) -> str:
 def label(result: dict) -> str:
     router = result.get("router", {})
     settings = ", router defaults" if router.get("defaults") else ""
+    policy = result.get("allocation_policy", "early")
+    if policy != "early":
+        settings += f", {policy}"
     return f"{result['variant']['label']} ({result['backend']}{settings})"
 
 
@@ -544,7 +547,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     results = [load(p) for p in args.results]
     args.out.mkdir(parents=True, exist_ok=True)
-    md = "# PD demo: one prefill frozen, " + " vs ".join(map(label, results))
+    what = {r["frozen"].get("what", "bootstrap") for r in results}
+    frozen = (
+        "one prefill's scheduler frozen (its HTTP and bootstrap servers answer)"
+        if what == {"scheduler"}
+        else "one prefill frozen"
+    )
+    md = f"# PD demo: {frozen}, " + " vs ".join(map(label, results))
     md += "\n\n" + tables(results)
     md += "\n![latency](latency.png)\n"
     (args.out / "report.md").write_text(md)

@@ -73,6 +73,7 @@ from demo_pd import (  # noqa: E402
     free_ports,
     health_poller,
     listener_pid,
+    scheduler_pid,
     one_request,
     server_cmd,
     server_env,
@@ -218,16 +219,6 @@ class SoakProcesses(Processes):
         for proc in self.old:
             demo_pd._signal_group(proc.pid, signal.SIGKILL)
         super().stop_all(grace)
-
-
-def scheduler_pid(procs: Processes, name: str) -> Optional[int]:
-    for p in procs.tree(name)[1:]:
-        try:
-            if "scheduler" in p.name() or "sglang::scheduler" in " ".join(p.cmdline()):
-                return p.pid
-        except psutil.Error:
-            continue
-    return None
 
 
 class Deployment:

@@ -30,7 +30,17 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    List,
+    Optional,
+    Set,
+    Tuple,
+)
 
 import numpy as np
 import torch
@@ -83,7 +93,7 @@ from sglang.srt.disaggregation.utils import (
     prepare_abort,
     setup_state_kv_args,
 )
-from sglang.srt.environ import envs
+from sglang.srt.environ import EnvFloat, envs
 from sglang.srt.managers.schedule_batch import (
     FINISH_ABORT,
     NextBatchPlan,
@@ -380,6 +390,11 @@ class DecodeRequest:
     hicache_restore_lock: Optional[TreeLock] = None
     hicache_load_consumer_index: int = -1
     hicache_restore_status: HiCacheRestoreResult = HiCacheRestoreResult.PENDING
+    # Ended because its prefill made no progress (see _PrefillAdmission): the
+    # prefill's PrefillServerInfo then, or True; and whether its KV is held
+    # past the deferred release timeout for it.
+    given_up: Any = False
+    fenced: bool = False
 
     @property
     def seqlen(self) -> int:
@@ -409,6 +424,113 @@ class _PendingPrefill:
         self.dp_recheck_at = 0.0
 
 
+def _env_float(name: str, default: float) -> EnvFloat:
+    """An envs field outside sglang.srt.environ.Envs, where these belong
+    upstream (environ.py is not among the files this patch changes)."""
+    field = EnvFloat(default)
+    field.name = name
+    return field
+
+
+# A prefill holding KV on this decode for transfers that have not arrived,
+# none of which ended for this long, is stuck. Keep it above the longest
+# prefill one request may take.
+SGLANG_DISAGGREGATION_STUCK_PREFILL_TIMEOUT = _env_float(
+    "SGLANG_DISAGGREGATION_STUCK_PREFILL_TIMEOUT", 10.0
+)
+# After this long without progress, its requests end with a retryable error.
+# Keep it below the router's request timeout.
+SGLANG_DISAGGREGATION_STUCK_PREFILL_GIVE_UP_TIMEOUT = _env_float(
+    "SGLANG_DISAGGREGATION_STUCK_PREFILL_GIVE_UP_TIMEOUT", 30.0
+)
+
+
+class _PrefillAdmission:
+    """What one prefill's transfers that have not arrived may hold of this
+    decode's KV and metadata slots, so that they never starve another
+    prefill's requests.
+
+    - A prefill holding reservations of which none ended (KV arrived) for
+      stuck_s is stuck: its scheduler may hang while its bootstrap server,
+      which the heartbeat probes, answers. It gets no new reservations, and
+      what it holds counts as no decode headroom. The first of its transfers
+      that ends unmarks it. After give_up_s without progress its requests
+      end, and the KV it held stays fenced until it acknowledges their abort.
+    - While another prefill has a request waiting, a prefill may hold at
+      most its share: the decode's tokens and slots over the prefills that
+      hold some or wait for some. Alone, a prefill has no cap.
+
+    A skipped prefill's requests are all skipped in that cycle, so FIFO holds
+    within a prefill; other requests keep 0.5.23's order and its break."""
+
+    def __init__(self, stuck_s: float, give_up_s: float):
+        self.stuck_s = stuck_s
+        self.give_up_s = max(give_up_s, stuck_s)
+        # Prefill -> since when none of its transfers ended (while it held any).
+        self.idle_since: Dict[str, float] = {}
+        # Stuck prefill -> when it was marked.
+        self.stuck: Dict[str, float] = {}
+        # This cycle: prefill -> [requests, tokens] its transfers hold; the
+        # decode's (tokens, slots); the prefills with requests waiting for
+        # KV, and those that hold some or wait.
+        self.held: Dict[str, List[int]] = {}
+        self.capacity: Tuple[int, int] = (0, 0)
+        self.waiting: Set[str] = set()
+        self.demand: Set[str] = set()
+
+    def progress(self, bootstrap_addr: str, now: float) -> None:
+        """A transfer of ``bootstrap_addr`` ended: its KV arrived."""
+        if bootstrap_addr in self.idle_since:
+            self.idle_since[bootstrap_addr] = now
+        marked = self.stuck.pop(bootstrap_addr, None)
+        if marked is not None:
+            logger.info(
+                f"Prefill {bootstrap_addr} makes progress again after "
+                f"{now - marked:.1f} s marked stuck: its requests get KV again."
+            )
+
+    def update(self, held: Dict[str, List[int]], now: float) -> List[str]:
+        """Take this cycle's holdings; the prefills to give up on now."""
+        self.held = held
+        for addr in [a for a in self.idle_since if a not in held]:
+            del self.idle_since[addr]
+            self.stuck.pop(addr, None)
+        give_up = []
+        for addr, (reqs, tokens) in held.items():
+            idle = now - self.idle_since.setdefault(addr, now)
+            if idle >= self.stuck_s and addr not in self.stuck:
+                self.stuck[addr] = now
+                logger.warning(
+                    f"Prefill {addr} is stuck: none of the {reqs} transfer(s) it "
+                    f"holds on this decode ({tokens} tokens of KV and headroom) "
+                    f"has ended for {idle:.1f} s, though its bootstrap server "
+                    f"answers (a hung scheduler?). Its requests get no more KV "
+                    f"until one ends; after {self.give_up_s:.0f} s they end so "
+                    f"that they can be retried on another prefill."
+                )
+            if idle >= self.give_up_s:
+                give_up.append(addr)
+        return give_up
+
+    def hold(self, decode_req: DecodeRequest, tokens: int) -> None:
+        """A request of this cycle was given KV."""
+        entry = self.held.setdefault(_bootstrap_addr(decode_req.req), [0, 0])
+        entry[0] += 1
+        entry[1] += tokens
+
+    def over_share(self, bootstrap_addr: str, tokens: int) -> bool:
+        """Whether one more request of ``tokens`` would take
+        ``bootstrap_addr`` past its share of this cycle's capacity (tokens,
+        slots), while another prefill has a request waiting."""
+        if not self.waiting - {bootstrap_addr}:
+            return False
+        reqs, held_tokens = self.held.get(bootstrap_addr, (0, 0))
+        prefills = len(self.demand | {bootstrap_addr})
+        tokens_cap, slots_cap = self.capacity
+        too_many_tokens = (held_tokens + tokens) * prefills > tokens_cap
+        return too_many_tokens or (reqs + 1) * prefills > slots_cap
+
+
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     """
     Store the requests that are preallocating.
@@ -418,6 +540,11 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     # list it was built from (see _sync_pending_index).
     _pending_by_addr: Optional[Dict[str, _PendingPrefill]] = None
     _pending_seen: Tuple = ()
+    # Per-prefill admission (see _PrefillAdmission), made on first use, and
+    # the prefills whose requests get no KV and hold no decode headroom this
+    # cycle: missed by the heartbeat, or stuck (see _update_held_back).
+    _admission: Optional[_PrefillAdmission] = None
+    _held_back: FrozenSet[str] = frozenset()
     # The state log (see _log_disaggregation_state).
     _state_logged_at: Optional[float] = None
     _state_log_interval: float = 0.0
@@ -1601,6 +1728,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         if now - self._state_logged_at < self._state_log_interval:
             return
         self._state_logged_at = now
+        admission = self._admission
         state = {
             "pending_reqs": len(self.pending_reqs),
             "pending_prefills": len(self._pending_by_addr or ()),
@@ -1608,6 +1736,11 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             "ensure_last_attempt_time": len(self._ensure_last_attempt_time),
             "held_rebootstrap_reqs": len(self.held_rebootstrap_reqs),
         }
+        if admission is not None:
+            state["stuck_prefills"] = len(admission.stuck)
+            state["stuck_held_tokens"] = sum(
+                admission.held.get(addr, (0, 0))[1] for addr in admission.stuck
+            )
         # Only CommonKVManager has PD tables (not FakeKVManager).
         manager_state = getattr(self.kv_manager, "disaggregation_state", None)
         if manager_state is not None:
@@ -1632,6 +1765,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self._resolve_pending_reqs()
         self._log_disaggregation_state()
         self._update_handshake_waiters(rids_to_check, pp_good_rids, pp_bad_rids)
+        admission = self._admission_cycle()
         if is_pp_mode:
             rids_to_check = set(pp_good_rids) | set(pp_bad_rids)
 
@@ -1731,6 +1865,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             running_loras.update(r.req.lora_id for r in self.transfer_queue.queue)
             running_loras.update(req.lora_id for req in self.scheduler.waiting_queue)
 
+        skipped: Set[str] = set()  # prefills skipped this cycle: FIFO holds
+
         # Then, preallocate the remaining requests if possible
         for i, decode_req in enumerate(self.queue):
             if rids_to_check is not None and decode_req.req.rid not in rids_to_check:
@@ -1743,6 +1879,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 continue
 
             if self._prefill_unreachable(decode_req):
+                continue
+
+            if self._over_share(decode_req, admission, skipped):
                 continue
 
             if self.req_to_metadata_buffer_idx_allocator.available_size() <= 0:
@@ -2114,6 +2253,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             num_device_preallocated += 1
             preallocated_reqs.append(decode_req)
             indices_to_remove.add(i)
+            admission.hold(decode_req, self._admission_tokens(decode_req.req))
             if self.scheduler.enable_lora:
                 running_loras.add(decode_req.req.lora_id)
 
@@ -2346,18 +2486,138 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         )
 
     def _prefill_unreachable(self, decode_req: DecodeRequest) -> bool:
-        """The heartbeat missed this request's prefill since it last answered.
-        Such a request cannot start decoding before the prefill answers again
-        (or is declared dead, failing it): it holds no decode headroom and gets
-        no KV meanwhile, or the requests of every other prefill queue behind
-        it until the heartbeat gives up."""
+        """The heartbeat missed this request's prefill since it last answered,
+        or the prefill is stuck (_PrefillAdmission). Such a request cannot
+        start decoding before the prefill answers again (or is declared dead,
+        failing it): it holds no decode headroom and gets no KV meanwhile, or
+        the requests of every other prefill queue behind it. Decided once per
+        cycle for every attention-TP rank alike (_update_held_back)."""
         if _is_fake_transfer(decode_req.req):
             return False
+        return _bootstrap_addr(decode_req.req) in self._held_back
+
+    def _update_held_back(self) -> None:
+        """The prefills _prefill_unreachable holds back this cycle. The
+        heartbeat and the stuck clock are each rank's own: every attention-TP
+        rank holds back a prefill any of them does, or their admissions (and
+        batches) would differ."""
         # Only CommonKVManager has a heartbeat (not FakeKVManager).
-        heartbeat_failures = getattr(self.kv_manager, "heartbeat_failures", None)
-        if not heartbeat_failures:
+        heartbeat_failures = getattr(self.kv_manager, "heartbeat_failures", None) or {}
+        stuck = self._admission.stuck if self._admission is not None else {}
+        addrs = sorted(
+            {
+                _bootstrap_addr(r.req)
+                for r in (*getattr(self, "queue", ()), *self.transfer_queue.queue)
+                if not _is_fake_transfer(r.req)
+            }
+        )
+        flags = [
+            int(heartbeat_failures.get(addr, 0) > 0 or addr in stuck) for addr in addrs
+        ]
+        group = getattr(self, "gloo_group", None)
+        if group is not None:
+            flags = all_reduce_flags(
+                flags, group=group, op=torch.distributed.ReduceOp.MAX
+            )
+        self._held_back = frozenset(addr for addr, f in zip(addrs, flags) if f)
+
+    def _admission_tokens(self, req: Req) -> int:
+        """What one request holds of the decode until its KV arrives: its
+        prompt's KV and the decode headroom reserved for it."""
+        return len(req.origin_input_ids) + self.num_reserved_decode_tokens
+
+    def _admission_cycle(self) -> _PrefillAdmission:
+        """This cycle's holdings by prefill; gives up on prefills stuck too
+        long, and decides which prefills are held back."""
+        admission = self._admission
+        if admission is None:
+            admission = self._admission = _PrefillAdmission(
+                SGLANG_DISAGGREGATION_STUCK_PREFILL_TIMEOUT.get(),
+                SGLANG_DISAGGREGATION_STUCK_PREFILL_GIVE_UP_TIMEOUT.get(),
+            )
+            # It tells the admission of every transfer that ends.
+            self.transfer_queue.prefill_admission = admission
+        now = time.monotonic()
+        held: Dict[str, List[int]] = {}
+        for r in self.transfer_queue.queue:
+            if r.given_up or r.host_staged or _is_fake_transfer(r.req):
+                continue
+            entry = held.setdefault(_bootstrap_addr(r.req), [0, 0])
+            entry[0] += 1
+            entry[1] += self._admission_tokens(r.req)
+        for bootstrap_addr in admission.update(held, now):
+            self._give_up_on_prefill(
+                bootstrap_addr, now - admission.idle_since[bootstrap_addr]
+            )
+        self._update_held_back()
+        admission.capacity = (
+            self.token_to_kv_pool_allocator.size,
+            self.req_to_metadata_buffer_idx_allocator.size,
+        )
+        admission.waiting = {
+            _bootstrap_addr(r.req)
+            for r in self.queue
+            if r.waiting_for_input
+            and not _is_fake_transfer(r.req)
+            and _bootstrap_addr(r.req) not in self._held_back
+        }
+        admission.demand = (set(held) | admission.waiting) - self._held_back
+        return admission
+
+    def _over_share(
+        self,
+        decode_req: DecodeRequest,
+        admission: _PrefillAdmission,
+        skipped: Set[str],
+    ) -> bool:
+        """Skip this request: its prefill would hold more than its share while
+        another prefill's request waits, or an earlier request of its prefill
+        was skipped this cycle (FIFO within a prefill)."""
+        if _is_fake_transfer(decode_req.req):
             return False
-        return heartbeat_failures.get(_bootstrap_addr(decode_req.req), 0) > 0
+        if decode_req.given_up:
+            return True
+        bootstrap_addr = _bootstrap_addr(decode_req.req)
+        if bootstrap_addr in skipped or admission.over_share(
+            bootstrap_addr, self._admission_tokens(decode_req.req)
+        ):
+            skipped.add(bootstrap_addr)
+            return True
+        return False
+
+    def _give_up_on_prefill(self, bootstrap_addr: str, idle_s: float) -> None:
+        """End every request of a prefill that made no progress for the
+        give-up bound, with an error the router retries (HTTP 500): those
+        whose KV it holds go through the abort/ack of deferred release, which
+        fences their pages until the prefill acknowledges."""
+        reason = (
+            f"Prefill {bootstrap_addr} made no progress on this decode's KV "
+            f"transfers for {idle_s:.0f} s while its bootstrap server kept "
+            f"answering (a hung scheduler?); this request ends so that it can be "
+            f"retried on another prefill."
+        )
+        info = getattr(self.kv_manager, "prefill_info_table", {}).get(bootstrap_addr)
+        ended = 0
+        for decode_req in (*self.transfer_queue.queue, *self.queue):
+            if (
+                decode_req.given_up
+                or decode_req.kv_receiver is None
+                or _bootstrap_addr(decode_req.req) != bootstrap_addr
+            ):
+                continue
+            # Which process of that prefill may still write (_may_still_write).
+            decode_req.given_up = info or True
+            decode_req.kv_receiver.abort()
+            # abort() records "Aborted by AbortReq."; keep the cause.
+            self.kv_manager.record_failure(decode_req.req.bootstrap_room, reason)
+            ended += 1
+        if ended:
+            logger.error(
+                f"Gave up on {ended} request(s) of prefill {bootstrap_addr}: no "
+                f"progress for {idle_s:.0f} s (SGLANG_DISAGGREGATION_STUCK_PREFILL_"
+                f"GIVE_UP_TIMEOUT). The router may retry them on another prefill; "
+                f"the KV they held is released once the prefill acknowledges."
+            )
 
     def _active_reserved_tokens(
         self, n_active: Optional[int] = None, extra_reserved_reqs: int = 0
@@ -2842,6 +3102,8 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
     """
 
     enable_host_receive: bool = False
+    # Told of every transfer that ends (see DecodePreallocQueue._admission).
+    prefill_admission: Optional[_PrefillAdmission] = None
 
     def __init__(
         self,
@@ -3225,6 +3487,12 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                 self._record_transfer_failure(failure_reason)
                 continue
             elif poll == KVPoll.Success:
+                if self.prefill_admission is not None and not _is_fake_transfer(
+                    decode_req.req
+                ):
+                    self.prefill_admission.progress(
+                        _bootstrap_addr(decode_req.req), time.monotonic()
+                    )
                 if self._is_host_destination(decode_req):
                     if isinstance(decode_req.req.finished_reason, FINISH_ABORT):
                         self.scheduler.output_streamer.stream_output(
@@ -3337,6 +3605,28 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         decode_req.kv_receiver.clear()
         decode_req.kv_receiver = None
 
+    def _may_still_write(self, decode_req: DecodeRequest) -> bool:
+        """A request given up on its stuck prefill (_PrefillAdmission): that
+        prefill is alive and may write into its pages once it resumes. They
+        stay held past the release timeout, until it acknowledges the abort
+        or the heartbeat declares it failed (or it is fetched anew)."""
+        if not decode_req.given_up:
+            return False
+        kv_mgr = decode_req.kv_receiver.kv_mgr
+        table = getattr(kv_mgr, "prefill_info_table", {})
+        if table.get(_bootstrap_addr(decode_req.req)) is not decode_req.given_up:
+            return False
+        if not decode_req.fenced:
+            decode_req.fenced = True
+            logger.warning(
+                f"Holding the KV of room {decode_req.req.bootstrap_room} past "
+                f"the deferred release timeout: its prefill "
+                f"{_bootstrap_addr(decode_req.req)} was given up on while alive "
+                f"and may still write into it. It is released once that prefill "
+                f"acknowledges the abort or is declared failed."
+            )
+        return True
+
     def has_pending_deferred_releases(self) -> bool:
         return bool(self._deferred_releases)
 
@@ -3368,7 +3658,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                 is_drained = decode_req.kv_receiver.kv_mgr.is_abort_release_safe(
                     decode_req.req.bootstrap_room, required_acks
                 )
-                is_ready = is_drained or now >= deadline
+                is_ready = is_drained or (
+                    now >= deadline and not self._may_still_write(decode_req)
+                )
             drained.append(is_drained)
             ready.append(is_ready)
         # Acks and deadlines are rank-local. Releasing only on some ranks would

@@ -223,6 +223,7 @@ class TestUnreachablePrefillHoldsNoHeadroom(CustomTestCase):
                 for port, room in ((1, 1), (2, 2), (2, 3))
             ]
         )
+        queue._update_held_back()  # what each cycle decides first
         return queue
 
     def test_requests_of_a_prefill_missing_heartbeats_are_not_counted(self):
@@ -242,6 +243,7 @@ class TestUnreachablePrefillHoldsNoHeadroom(CustomTestCase):
         # --disaggregation-transfer-backend fake: FakeKVManager has none.
         queue = self.queue({})
         queue.kv_manager = FakeKVManager.__new__(FakeKVManager)
+        queue._update_held_back()
         disagg = SimpleNamespace(disaggregation_transfer_backend="fake")
         with mock.patch.object(decode_mod, "get_disagg", return_value=disagg):
             self.assertEqual(queue._active_req_count(), 4)
