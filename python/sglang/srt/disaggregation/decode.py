@@ -20,6 +20,7 @@ Life cycle of a request in the decode server
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -168,7 +169,14 @@ CLIP_MAX_NEW_TOKEN = envs.SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION.get()
 
 def _bootstrap_addr(req: Req) -> str:
     # FIXME: make a property of a req
-    return NetworkAddress(req.bootstrap_host, req.bootstrap_port).to_host_port_str()
+    return _host_port_str(req.bootstrap_host, req.bootstrap_port)
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_port_str(host, port) -> str:
+    # Parsing costs ~30 us, and admission asks for every waiting request on
+    # every cycle.
+    return NetworkAddress(host, port).to_host_port_str()
 
 
 def _bind_root_prefix(req: Req, tree_cache: BasePrefixCache) -> None:

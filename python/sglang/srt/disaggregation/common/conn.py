@@ -704,7 +704,9 @@ class _PushSender:
             for endpoint, held in list(self._held.items()):
                 if held.sock in writable:
                     self._send_held(endpoint, held, now)
-                elif now - held.since >= self._send_timeout_s:
+                # Also when it polled writable but took nothing.
+                stuck = now - held.since >= self._send_timeout_s
+                if stuck and endpoint in self._held:
                     self._release(endpoint, zmq.Again())
             for done in barriers:
                 done.set()
