@@ -120,6 +120,8 @@ def make_req(addr, room, prompt=18, priority=None):
         origin_input_ids=[0] * prompt,
         priority=priority,
         disagg_prefill_dp_rank=0,
+        lora_id=None,
+        finished_reason=None,
     )
 
 
@@ -144,7 +146,8 @@ class TestAdmissionByPrefill(CustomTestCase):
     """The per-cycle decisions of DecodePreallocQueue.pop_preallocated on a
     DecodePreallocQueue.__new__ queue: its admission loop skips a request
     when _prefill_unreachable() or _over_share() says so, and gives KV to
-    the others in order (admit() below walks it the same way)."""
+    the others in order (admit() below walks it the same way; one test runs
+    pop_preallocated itself)."""
 
     def setUp(self):
         super().setUp()
@@ -196,6 +199,44 @@ class TestAdmissionByPrefill(CustomTestCase):
             admitted.append(r.req.bootstrap_room)
             admission.hold(r, self.queue._admission_tokens(r.req))
         return admitted
+
+    def reached_by_pop_preallocated(self):
+        """Run the real pop_preallocated for one cycle: the rooms whose
+        requests get past its admission checks to the first per-request
+        capacity check (the LoRA one here, which says no to each, so nothing
+        is allocated and the loop goes on)."""
+        reached = []
+
+        def can_schedule_lora_req(req, running_loras):
+            reached.append(req.bootstrap_room)
+            return False
+
+        q = self.queue
+        q.pp_size = 1
+        for name, value in (
+            ("_resolve_pending_reqs", lambda: None),
+            ("_log_disaggregation_state", lambda: None),
+            ("_update_handshake_waiters", lambda *args: None),
+            ("_uses_swa_tail_prealloc", lambda: False),
+            ("_uses_swa_reservation", lambda: False),
+            ("_allocatable_token_budgets", lambda **kwargs: TOKENS),
+            ("_hicache_pending_restore_tokens", lambda: 0),
+        ):
+            setattr(q, name, value)
+        q.req_to_metadata_buffer_idx_allocator.available_size = lambda: SLOTS
+        q.scheduler.enable_priority_scheduling = False
+        q.scheduler.enable_hisparse = False
+        q.scheduler.enable_lora = True
+        q.scheduler.can_schedule_lora_req = can_schedule_lora_req
+        self.assertEqual(q.pop_preallocated(), ([], []))
+        return reached
+
+    def test_pop_preallocated_skips_a_capped_prefill_and_goes_on(self):
+        # A request over its prefill's share is skipped, not a break: the
+        # healthy request behind it still gets to the capacity checks.
+        self.hold(STUCK, 1, 2, 3)
+        self.queue.queue = [decode_req(STUCK, 4), decode_req(HEALTHY, 5)]
+        self.assertEqual(self.reached_by_pop_preallocated(), [5])
 
     def test_a_capped_prefills_request_is_skipped_and_a_later_one_admitted(self):
         self.hold(STUCK, 1, 2, 3)  # 3 x 530 of 4096: its share is 2048
