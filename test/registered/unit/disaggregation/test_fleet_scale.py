@@ -17,6 +17,7 @@ test_no_network_on_scheduler_thread.py. CPU-only, no sleeps: threads meet at
 ``threading.Barrier`` and ``threading.Event``; time is a fake clock.
 """
 
+import socket
 import threading
 import unittest
 from types import SimpleNamespace
@@ -249,6 +250,34 @@ class TestPushSenderPerPeer(CustomTestCase):
         self.sender.post(self.healthy.info, [b"to-healthy"])
         self.assertEqual(self.healthy.recv(), [b"to-healthy"])
         self.assertEqual(failures, [])
+
+    def test_the_sender_sleeps_once_it_has_caught_up(self):
+        # A wake-up left unread makes every poll return at once: a sender
+        # thread that spins a core for as long as the process lives.
+        done = self.sender.barrier()
+        self.assertTrue(done.wait(_WAIT_S))
+        entries, after_barrier = [], threading.Event()
+        poll = self.sender._poller.poll
+
+        def recorded(timeout=None):
+            try:
+                pending = bool(self.sender._wake_r.recv(1, socket.MSG_PEEK))
+            except BlockingIOError:
+                pending = False
+            with self.sender._lock:
+                # A wake-up with no command to go with it.
+                entries.append(pending and not self.sender._inbox)
+            if done.is_set():
+                after_barrier.set()
+            return poll(timeout)
+
+        self.sender._poller.poll = recorded
+        self.sender.post(self.healthy.info, [b"x"])
+        self.assertEqual(self.healthy.recv(), [b"x"])
+        done = self.sender.barrier()
+        self.assertTrue(done.wait(_WAIT_S))
+        self.assertTrue(after_barrier.wait(_WAIT_S))
+        self.assertNotIn(True, entries)
 
     def test_held_messages_are_waited_on_not_polled_for(self):
         timeouts = []

@@ -665,10 +665,10 @@ class _PushSender:
     def _command(self, *item) -> None:
         with self._lock:
             self._inbox.append(item)
-        try:
-            self._wake_w.send(b"\0")
-        except BlockingIOError:
-            pass  # a wake-up is pending already
+            try:
+                self._wake_w.send(b"\0")
+            except BlockingIOError:
+                pass  # a wake-up is pending already
 
     def _run(self) -> None:
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -678,13 +678,16 @@ class _PushSender:
                 due = min(h.since for h in self._held.values()) + self._send_timeout_s
                 timeout_ms = max(0.0, due - time.monotonic()) * 1000
             writable = dict(self._poller.poll(timeout_ms))
-            if self._wake_r in writable:
+            with self._lock:
+                # Every wake-up written for the commands taken here is read
+                # here, under the lock that _command writes it under: one left
+                # unread would make each poll return at once, a busy loop.
+                # (poll() reports the socketpair by its fd, not the socket.)
                 try:
                     while self._wake_r.recv(4096):
                         pass
                 except BlockingIOError:
                     pass
-            with self._lock:
                 items = list(self._inbox)
                 self._inbox.clear()
             barriers = []
