@@ -466,10 +466,16 @@ class _PrefillAdmission:
       end, and the KV it held stays fenced until it acknowledges their abort.
     - While another prefill has a request waiting, a prefill may hold at
       most its share: the decode's tokens and slots over the prefills that
-      hold some or wait for some. Alone, a prefill has no cap.
+      hold some or wait for some, or did within stuck_s. So may a prefill
+      none of whose transfers ended within proven_s, between another active
+      prefill's requests: it may be stuck already, and would take what their
+      next one needs. Alone, a prefill has no cap.
 
     A skipped prefill's requests are all skipped in that cycle, so FIFO holds
     within a prefill; other requests keep 0.5.23's order and its break."""
+
+    # A busy prefill's transfers end more often than this.
+    proven_s = 1.0
 
     def __init__(self, stuck_s: float, give_up_s: float):
         self.stuck_s = stuck_s
@@ -485,9 +491,15 @@ class _PrefillAdmission:
         self.capacity: Tuple[int, int] = (0, 0)
         self.waiting: Set[str] = set()
         self.demand: Set[str] = set()
+        self.now = 0.0
+        # Prefill -> when it last held KV or waited for it (kept stuck_s), and
+        # when one of its transfers last ended (kept proven_s).
+        self.demand_at: Dict[str, float] = {}
+        self.progress_at: Dict[str, float] = {}
 
     def progress(self, bootstrap_addr: str, now: float) -> None:
         """A transfer of ``bootstrap_addr`` ended: its KV arrived."""
+        self.progress_at[bootstrap_addr] = now
         if bootstrap_addr in self.idle_since:
             self.idle_since[bootstrap_addr] = now
         marked = self.stuck.pop(bootstrap_addr, None)
@@ -500,6 +512,11 @@ class _PrefillAdmission:
     def update(self, held: Dict[str, List[int]], now: float) -> List[str]:
         """Take this cycle's holdings; the prefills to give up on now."""
         self.held = held
+        self.now = now
+        for addr in [
+            a for a, t in self.progress_at.items() if now - t >= self.proven_s
+        ]:
+            del self.progress_at[addr]
         for addr in [a for a in self.idle_since if a not in held]:
             del self.idle_since[addr]
             self.stuck.pop(addr, None)
@@ -520,6 +537,17 @@ class _PrefillAdmission:
                 give_up.append(addr)
         return give_up
 
+    def recent(self, demand: Set[str]) -> Set[str]:
+        """``demand`` (prefills that hold KV or wait for it now) and those
+        that did within stuck_s: one between two requests still counts."""
+        for addr in demand:
+            self.demand_at[addr] = self.now
+        for addr in [
+            a for a, t in self.demand_at.items() if self.now - t >= self.stuck_s
+        ]:
+            del self.demand_at[addr]
+        return set(self.demand_at)
+
     def hold(self, decode_req: DecodeRequest, tokens: int) -> None:
         """A request of this cycle was given KV."""
         entry = self.held.setdefault(_bootstrap_addr(decode_req.req), [0, 0])
@@ -529,8 +557,11 @@ class _PrefillAdmission:
     def over_share(self, bootstrap_addr: str, tokens: int) -> bool:
         """Whether one more request of ``tokens`` would take
         ``bootstrap_addr`` past its share of this cycle's capacity (tokens,
-        slots), while another prefill has a request waiting."""
-        if not self.waiting - {bootstrap_addr}:
+        slots), while another prefill has a request waiting, or has had one
+        lately and none of this prefill's transfers ended lately."""
+        if not self.waiting - {bootstrap_addr} and (
+            not self.demand - {bootstrap_addr} or bootstrap_addr in self.progress_at
+        ):
             return False
         reqs, held_tokens = self.held.get(bootstrap_addr, (0, 0))
         prefills = len(self.demand | {bootstrap_addr})
@@ -2569,7 +2600,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             and not _is_fake_transfer(r.req)
             and _bootstrap_addr(r.req) not in self._held_back
         }
-        admission.demand = (set(held) | admission.waiting) - self._held_back
+        admission.demand = (
+            admission.recent((set(held) | admission.waiting) - self._held_back)
+            - self._held_back
+        )
         return admission
 
     def _over_share(

@@ -110,6 +110,31 @@ class TestShare(CustomTestCase):
         admission = self.admission({STUCK: [32, 320]}, waiting={STUCK, HEALTHY})
         self.assertTrue(admission.over_share(STUCK, 10))  # 33 > 64 / 2
 
+    def test_between_anothers_requests_a_prefill_without_progress_holds_its_share(
+        self,
+    ):
+        # The healthy prefill held or waited lately, none of it waits now.
+        admission = self.admission(
+            {STUCK: [3, 1590]}, waiting={STUCK}, demand={STUCK, HEALTHY}
+        )
+        self.assertTrue(admission.over_share(STUCK, 530))
+        # One of its transfers ended lately: it takes what is free.
+        admission.progress(STUCK, admission.now)
+        self.assertFalse(admission.over_share(STUCK, 530))
+
+    def test_a_prefill_counts_for_stuck_s_and_progress_for_proven_s(self):
+        admission = _PrefillAdmission(STUCK_S, GIVE_UP_S)
+        admission.update({}, now=0.0)
+        admission.progress(HEALTHY, now=0.0)
+        self.assertEqual(admission.recent({HEALTHY}), {HEALTHY})
+        admission.update({}, now=admission.proven_s)
+        self.assertEqual(admission.progress_at, {})
+        admission.update({}, now=STUCK_S - 0.1)
+        self.assertEqual(admission.recent(set()), {HEALTHY})
+        admission.update({}, now=STUCK_S)
+        self.assertEqual(admission.recent(set()), set())
+        self.assertEqual(admission.demand_at, {})
+
 
 def make_req(addr, room, prompt=18, priority=None):
     host, port = addr.split(":")
@@ -187,6 +212,12 @@ class TestAdmissionByPrefill(CustomTestCase):
         """Requests of ``addr`` whose KV is preallocated, waiting for it."""
         self.queue.transfer_queue.queue += [decode_req(addr, r) for r in rooms]
 
+    def progress(self, addr):
+        """One of ``addr``'s transfers ended now."""
+        if self.queue._admission is None:
+            self.queue._admission_cycle()
+        self.queue.transfer_queue.prefill_admission.progress(addr, self.clock.now)
+
     def admit(self):
         """One cycle: which waiting requests would get KV, in order."""
         admission = self.queue._admission_cycle()
@@ -248,6 +279,21 @@ class TestAdmissionByPrefill(CustomTestCase):
         ]
         self.assertEqual(self.admit(), [6, 7])
 
+    def test_a_stuck_prefill_does_not_take_the_kv_freed_between_healthy_requests(
+        self,
+    ):
+        self.hold(STUCK, 1, 2, 3)  # 1590 of 4096
+        self.queue.queue = [decode_req(HEALTHY, 4)]
+        self.assertEqual(self.admit(), [4])
+        # Its KV arrived; the healthy prefill's next request is not here yet.
+        self.progress(HEALTHY)
+        self.clock.now += 0.5
+        self.queue.queue = [decode_req(STUCK, 5), decode_req(STUCK, 6)]
+        self.assertEqual(self.admit(), [])
+        # What they did not take is there for the healthy prefill's next one.
+        self.queue.queue.append(decode_req(HEALTHY, 7))
+        self.assertEqual(self.admit(), [7])
+
     def test_order_within_a_prefill_and_by_priority_is_kept(self):
         self.queue.queue = [
             decode_req(HEALTHY, room, priority=p)
@@ -255,6 +301,7 @@ class TestAdmissionByPrefill(CustomTestCase):
         ]
         self.queue.queue.sort(key=lambda r: r.req.priority)  # as pop_preallocated
         self.hold(STUCK, 1)
+        self.progress(HEALTHY)  # or it holds at most its share of 4 x 530
         self.assertEqual(self.admit(), [11, 13, 12, 10])
 
     def test_a_stuck_prefill_gets_no_kv_and_holds_no_headroom(self):
