@@ -75,7 +75,7 @@ class DecodeSide:
     ):
         import torch  # noqa: F401  (sglang expects torch imported first)
         from sglang.srt.disaggregation.utils import TransferBackend
-        from sglang.srt.runtime_context import get_disagg, get_parallel
+        from sglang.srt.runtime_context import get_parallel
 
         self.backend = backend
         self.server_args = pd_setup.make_server_args(
@@ -120,7 +120,9 @@ class DecodeSide:
             gpu_id=0,
             bootstrap_port=self.server_args.disaggregation_bootstrap_port,
             max_total_num_tokens=pd_setup.POOL_TOKENS,
-            num_reserved_decode_tokens=get_disagg().num_reserved_decode_tokens,
+            # _prealloc reserves no decode headroom: the patched admission's
+            # share (see _prealloc) then counts the tokens it allocates.
+            num_reserved_decode_tokens=0,
             transfer_backend=TransferBackend(backend),
         )
         if max_ensure_retries is not None:
@@ -267,16 +269,28 @@ class DecodeSide:
     def _prealloc(self) -> None:
         """For requests whose handshake is done: allocate KV and a metadata
         slot and publish them with ``send_metadata``, as ``_pre_alloc`` /
-        ``_send_kv_metadata`` do."""
+        ``_send_kv_metadata`` do. With the patch, pop_preallocated's checks
+        by prefill come first (a prefill held back or over its share is
+        skipped, not a break), on the harness's own transfers."""
         import torch
         from sglang.srt.mem_cache.common import kv_to_page_indices
 
+        queue = self.queue
+        admission, skipped = None, set()
+        if hasattr(queue, "_admission_cycle"):
+            queue.transfer_queue.queue = [t.decode_req for t in self.transferring]
+            admission = queue._admission_cycle()
         moved = []
-        for decode_req in self.queue.queue:
+        for decode_req in queue.queue:
             if not decode_req.waiting_for_input:
                 continue
             t = self._by_decode_req.get(id(decode_req))
             if t is None:
+                continue
+            if admission is not None and (
+                queue._prefill_unreachable(decode_req)
+                or queue._over_share(decode_req, admission, skipped)
+            ):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)
             if kv_indices is None or self.metadata_allocator.available_size() <= 0:
@@ -291,6 +305,8 @@ class DecodeSide:
                 kv_indices.to(torch.int32), pd_setup.PAGE_SIZE
             )
             decode_req.kv_receiver.send_metadata(page_indices, t.metadata_index)
+            if admission is not None:
+                admission.hold(decode_req, queue._admission_tokens(decode_req.req))
             t.state = "transferring"
             t.t_metadata = time.perf_counter()
             moved.append(decode_req)
@@ -301,13 +317,19 @@ class DecodeSide:
 
     def _poll_transfers(self) -> None:
         from sglang.srt.disaggregation.base import KVPoll
+        from sglang.srt.disaggregation.decode import _bootstrap_addr
 
+        # With the patch, the transfer queue tells the admission of each
+        # transfer that ends (DecodeTransferQueue.pop_transferred).
+        admission = getattr(self.queue.transfer_queue, "prefill_admission", None)
         still = []
         for t in self.transferring:
             receiver = t.decode_req.kv_receiver
             state = receiver.poll()
             now = time.perf_counter()
             if state == KVPoll.Success:
+                if admission is not None:
+                    admission.progress(_bootstrap_addr(t.req), time.monotonic())
                 t.kv_ok, t.aux_ok = self._check_kv(t)
                 t.state = "success"
                 t.t_done = now

@@ -27,6 +27,7 @@ tools/fault_report.py). By hand, against one variant:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -87,12 +88,12 @@ class Run:
     # -- driving ----------------------------------------------------------
 
     def request(
-        self, prefill, n: int = 1, hold_s: float = 0.0
+        self, prefill, n: int = 1, hold_s: float = 0.0, num_tokens: int = NUM_TOKENS
     ) -> List[harness.Tracked]:
         out = []
         for _ in range(n):
             target = prefill if prefill is not None else self.target
-            out.append(self.m.cluster.request(target, NUM_TOKENS, hold_s=hold_s))
+            out.append(self.m.cluster.request(target, num_tokens, hold_s=hold_s))
         self.requests.extend(out)
         return out
 
@@ -587,6 +588,59 @@ def teardown_child(addr: str, backend: str) -> int:
     return 0
 
 
+# Row 11: the decode's bounds for a prefill that makes no progress (10 s to
+# mark it stuck, 30 s to give up on its requests), shortened to fit the run.
+STUCK_PREFILL_ENV = {
+    "SGLANG_DISAGGREGATION_STUCK_PREFILL_TIMEOUT": "2",
+    "SGLANG_DISAGGREGATION_STUCK_PREFILL_GIVE_UP_TIMEOUT": "6",
+}
+# Eight requests this big fill the decode's pool.
+BIG_TOKENS = harness.pd_setup.POOL_TOKENS // 8
+
+
+@contextlib.contextmanager
+def stuck_prefill_bounds(decode):
+    saved = {k: os.environ.get(k) for k in STUCK_PREFILL_ENV}
+    os.environ.update(STUCK_PREFILL_ENV)
+    # The patched queue makes its admission, with these bounds, on the next
+    # cycle (stock has none: the attribute is unused).
+    decode.queue._admission = None
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        decode.queue._admission = None
+
+
+def scheduler_frozen(run: Run) -> None:
+    # The prefill's scheduler hangs and its bootstrap server answers (the
+    # harness never asks it to send): the decode's handshake for its requests
+    # succeeds and their KV never comes. Six rounds of four such requests and
+    # one per healthy prefill (three times what the decode's pool holds), with
+    # a pause between rounds in which no healthy request waits.
+    healthy = []
+    with stuck_prefill_bounds(run.d):
+        for _ in range(6):
+            run.request(None, n=4, num_tokens=BIG_TOKENS)
+            for p in run.healthy:
+                healthy += run.request(p, num_tokens=BIG_TOKENS)
+            run.cycles(lambda: all(t.finished for t in healthy), 5)
+            run.for_s(0.2)
+        stuck = [t for t in run.requests if t not in healthy]
+        run.extra["stuck_held_most"] = sum(t.t_metadata is not None for t in stuck)
+        run.finish()
+    first_end = min((t.t_done for t in stuck if t.finished), default=None)
+    run.extra["healthy_served_while_stuck_held"] = sum(
+        t.state == "success" and (first_end is None or t.t_done < first_end)
+        for t in healthy
+    )
+    run.extra["healthy_total"] = len(healthy)
+
+
 FAULTS: List[Fault] = [
     Fault("port_closed", "1. bootstrap port closed", FIRST, port_closed_first),
     Fault(
@@ -676,6 +730,12 @@ FAULTS: List[Fault] = [
         "10. teardown with fetches in flight to a frozen prefill",
         FIRST,
         teardown_frozen,
+    ),
+    Fault(
+        "scheduler_frozen",
+        "11. scheduler frozen, bootstrap alive: its KV never comes",
+        FIRST,
+        scheduler_frozen,
     ),
 ]
 

@@ -30,7 +30,15 @@ ROUTE_FAILED = "Could not fetch bootstrap info from <addr>"
 LOST = "Lost connection with prefill instance (bootstrap_addr: <addr>)"
 DP_RANK_FAILED = "Could not fetch the prefill dp rank of bootstrap_room <n> from <addr>"
 ROUTE_OVERDUE = "Bootstrap info lookups to <addr> have not ended"
-CLEAR = (PARALLEL_INFO_FAILED, ROUTE_FAILED, LOST, DP_RANK_FAILED, ROUTE_OVERDUE)
+NO_PROGRESS = "Prefill <addr> made no progress on this decode's KV transfers"
+CLEAR = (
+    PARALLEL_INFO_FAILED,
+    ROUTE_FAILED,
+    LOST,
+    DP_RANK_FAILED,
+    ROUTE_OVERDUE,
+    NO_PROGRESS,
+)
 FETCH_BOUND_S = 10  # common/conn.py BOOTSTRAP_FETCH_TIMEOUT_S
 
 
@@ -114,6 +122,16 @@ class TestFaultMatrixMooncake(CustomTestCase):
 
     def check_restart(self, r, fault):
         self.assertTrue(r["extra"]["served_after_restart"], r)
+
+    def check_scheduler_frozen(self, r, fault):
+        # Every healthy request got KV and was served while the stuck
+        # prefill's requests still held theirs; those ended with its name.
+        extra = r["extra"]
+        self.assertEqual(
+            extra["healthy_served_while_stuck_held"], extra["healthy_total"], r
+        )
+        self.assertEqual(r["faulty"]["failed"], r["faulty"]["total"], r)
+        self.assertIn(NO_PROGRESS, "".join(r["failures"]))
 
     def check_teardown(self, r, fault):
         extra = r["extra"]
