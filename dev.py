@@ -15,9 +15,10 @@
         The chaos soak: the demo's deployment under load for M minutes (10) while
         a seeded schedule freezes, kills and restarts, and slows its prefills;
         stock, then patched with the same schedule (tools/soak_pd.py).
-    python3 dev.py bench [--quick] [--only stall|fleet]
+    python3 dev.py bench [--quick] [--only stall|fleet|admission]
         The scheduler stall benchmark (P1-P8) and the fleet-scale benchmark
-        (P9-P12) on real PD over loopback, stock and patched.
+        (P9-P12, P15) on real PD over loopback, and the admission benchmark
+        (P14: a stuck prefill, real servers), stock and patched.
     python3 dev.py faults [--backend nixl] [--faults NAMES]
         The fault matrix on real PD over loopback, stock and patched, and its
         reliability report (test/pd_loopback/fault_matrix.py, tools/fault_report.py).
@@ -526,15 +527,17 @@ def _run_both(script, args, variant_args, stock_files=None) -> bool:
     return not failed
 
 
-def _compare(script, args, report_tool: str, out: Path) -> int:
+def _compare(script, args, report_tool: str, out: Path, servers=False) -> int:
     """``script`` writes ``<out>/<variant>.json`` for stock and patched, then
-    ``tools/<report_tool>`` writes ``<out>/report.md`` from the two."""
+    ``tools/<report_tool>`` writes ``<out>/report.md`` from the two. With
+    ``servers``, the script runs real servers: its stock needs the CPU hunks."""
     start = time.monotonic()
     ensure_system_packages()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     variant_args = {v: ["--out", str(out / f"{v}.json")] for v in VARIANTS}
-    if not _run_both(script, args, variant_args):
+    stock_files = cpu_enabled_stock_files(cache_dir()) if servers else None
+    if not _run_both(script, args, variant_args, stock_files=stock_files):
         return 1
     report = [venv_python(cache_dir()), REPO / "tools" / report_tool]
     report += ["--stock", out / "stock.json", "--patched", out / "patched.json"]
@@ -624,18 +627,29 @@ def cmd_bench(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench-out")
     ap.add_argument(
         "--only",
-        choices=("stall", "fleet"),
-        help="the stall bench (P1-P8) or the fleet bench (P9-P12) alone",
+        choices=("stall", "fleet", "admission"),
+        help="the stall bench (P1-P8), the fleet bench (P9-P12, P15) or the "
+        "admission bench (P14, real servers) alone",
     )
     args, rest = ap.parse_known_args(argv)
     quick = ["--quick"] if args.quick else []
     out = args.out.resolve()
-    if args.only != "fleet":
+    if args.only in (None, "stall"):
         rc = _compare("bench_stall.py", quick + rest, "bench_report.py", out)
         if rc != 0 or args.only == "stall":
             return rc
-    # The fleet bench writes next to the stall bench's report, in fleet/.
-    return _compare("bench_fleet.py", quick, "bench_fleet_report.py", out / "fleet")
+    # The other benches write next to the stall bench's report.
+    if args.only in (None, "fleet"):
+        rc = _compare("bench_fleet.py", quick, "bench_fleet_report.py", out / "fleet")
+        if rc != 0 or args.only == "fleet":
+            return rc
+    return _compare(
+        "bench_admission.py",
+        quick,
+        "bench_admission_report.py",
+        out / "admission",
+        servers=True,
+    )
 
 
 def cmd_faults(argv: list[str]) -> int:
@@ -659,7 +673,7 @@ USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
        python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
        python3 dev.py soak [--minutes M] [--seed S] [--both] [--backend nixl] [--out DIR]
-       python3 dev.py bench [--quick] [--only stall|fleet] [--out DIR]
+       python3 dev.py bench [--quick] [--only stall|fleet|admission] [--out DIR]
        python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
 
