@@ -289,6 +289,7 @@ class DecodeSide:
                 continue
             if admission is not None and (
                 queue._prefill_unreachable(decode_req)
+                and not queue._probe(decode_req, admission)
                 or queue._over_share(decode_req, admission, skipped)
             ):
                 continue

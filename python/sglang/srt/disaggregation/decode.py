@@ -460,9 +460,11 @@ class _PrefillAdmission:
 
     - A prefill holding reservations of which none ended (KV arrived) for
       stuck_s is stuck: its scheduler may hang while its bootstrap server,
-      which the heartbeat probes, answers. It gets no new reservations, and
-      what it holds counts as no decode headroom. The first of its transfers
-      that ends unmarks it. After give_up_s without progress its requests
+      which the heartbeat probes, answers. Or it may only have lost one
+      request (a prefill leg lost at its HTTP server), so it gets KV for one
+      request at a time (a probe), and what it holds counts as no decode
+      headroom. The first of its transfers that ends unmarks it, as does
+      holding nothing any more. After give_up_s without progress its requests
       end, and the KV it held stays fenced until it acknowledges their abort.
     - While another prefill has a request waiting, a prefill may hold at
       most its share: the decode's tokens and slots over the prefills that
@@ -496,6 +498,10 @@ class _PrefillAdmission:
         # when one of its transfers last ended (kept proven_s).
         self.demand_at: Dict[str, float] = {}
         self.progress_at: Dict[str, float] = {}
+        # Stuck prefill -> the fewest requests it held since it was marked:
+        # holding more, it has a probe out. Prefills probed this cycle.
+        self.held_at_mark: Dict[str, int] = {}
+        self.probed: Set[str] = set()
 
     def progress(self, bootstrap_addr: str, now: float) -> None:
         """A transfer of ``bootstrap_addr`` ended: its KV arrived."""
@@ -503,6 +509,7 @@ class _PrefillAdmission:
         if bootstrap_addr in self.idle_since:
             self.idle_since[bootstrap_addr] = now
         marked = self.stuck.pop(bootstrap_addr, None)
+        self.held_at_mark.pop(bootstrap_addr, None)
         if marked is not None:
             logger.info(
                 f"Prefill {bootstrap_addr} makes progress again after "
@@ -517,9 +524,15 @@ class _PrefillAdmission:
             a for a, t in self.progress_at.items() if now - t >= self.proven_s
         ]:
             del self.progress_at[addr]
+        self.probed = set()
         for addr in [a for a in self.idle_since if a not in held]:
             del self.idle_since[addr]
-            self.stuck.pop(addr, None)
+            self.held_at_mark.pop(addr, None)
+            if self.stuck.pop(addr, None) is not None:
+                logger.info(
+                    f"Prefill {addr} holds nothing on this decode any more (its "
+                    f"transfers ended without KV): no longer marked stuck."
+                )
         give_up = []
         for addr, (reqs, tokens) in held.items():
             idle = now - self.idle_since.setdefault(addr, now)
@@ -529,13 +542,20 @@ class _PrefillAdmission:
                     f"Prefill {addr} is stuck: none of the {reqs} transfer(s) it "
                     f"holds on this decode ({tokens} tokens of KV and headroom) "
                     f"has ended for {idle:.1f} s, though its bootstrap server "
-                    f"answers (a hung scheduler?). Its requests get no more KV "
-                    f"until one ends; after {self.give_up_s:.0f} s they end so "
-                    f"that they can be retried on another prefill."
+                    f"answers (a hung scheduler?). Its requests get KV one at a "
+                    f"time until one ends; after {self.give_up_s:.0f} s they end "
+                    f"so that they can be retried on another prefill."
                 )
+            if addr in self.stuck:
+                self.held_at_mark[addr] = min(self.held_at_mark.get(addr, reqs), reqs)
             if idle >= self.give_up_s:
                 give_up.append(addr)
         return give_up
+
+    def probe_out(self, bootstrap_addr: str) -> bool:
+        """A stuck prefill holds a request given KV since it was marked."""
+        reqs = self.held.get(bootstrap_addr, (0, 0))[0]
+        return reqs > self.held_at_mark.get(bootstrap_addr, reqs)
 
     def recent(self, demand: Set[str]) -> Set[str]:
         """``demand`` (prefills that hold KV or wait for it now) and those
@@ -584,6 +604,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     # cycle: missed by the heartbeat, or stuck (see _update_held_back).
     _admission: Optional[_PrefillAdmission] = None
     _held_back: FrozenSet[str] = frozenset()
+    # Of those, the stuck ones with no probe out (see _probe).
+    _probe_ok: FrozenSet[str] = frozenset()
     # The state log (see _log_disaggregation_state).
     _state_logged_at: Optional[float] = None
     _state_log_interval: float = 0.0
@@ -1917,7 +1939,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if not decode_req.waiting_for_input:
                 continue
 
-            if self._prefill_unreachable(decode_req):
+            if self._prefill_unreachable(decode_req) and not self._probe(
+                decode_req, admission
+            ):
                 continue
 
             if self._over_share(decode_req, admission, skipped):
@@ -2550,8 +2574,16 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 if not _is_fake_transfer(r.req)
             }
         )
+        # 2: held back; 1: stuck, with no probe out (see _probe); 0: neither.
         flags = [
-            int(heartbeat_failures.get(addr, 0) > 0 or addr in stuck) for addr in addrs
+            (
+                2
+                if heartbeat_failures.get(addr, 0) > 0
+                or addr in stuck
+                and self._admission.probe_out(addr)
+                else int(addr in stuck)
+            )
+            for addr in addrs
         ]
         group = getattr(self, "gloo_group", None)
         if group is not None:
@@ -2559,6 +2591,18 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 flags, group=group, op=torch.distributed.ReduceOp.MAX
             )
         self._held_back = frozenset(addr for addr, f in zip(addrs, flags) if f)
+        self._probe_ok = frozenset(addr for addr, f in zip(addrs, flags) if f == 1)
+
+    def _probe(self, decode_req: DecodeRequest, admission: _PrefillAdmission) -> bool:
+        """Give KV to this request of a stuck prefill: the first of its
+        requests this cycle while none of its probes is out, as every
+        attention-TP rank agreed. A prefill that only lost a request serves it
+        and is unmarked; a hung one holds one request more."""
+        bootstrap_addr = _bootstrap_addr(decode_req.req)
+        if bootstrap_addr not in self._probe_ok or bootstrap_addr in admission.probed:
+            return False
+        admission.probed.add(bootstrap_addr)
+        return True
 
     def _admission_tokens(self, req: Req) -> int:
         """What one request holds of the decode until its KV arrives: its

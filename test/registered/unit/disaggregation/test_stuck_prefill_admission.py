@@ -223,7 +223,11 @@ class TestAdmissionByPrefill(CustomTestCase):
         admission = self.queue._admission_cycle()
         skipped, admitted = set(), []
         for r in self.queue.queue:
-            if not r.waiting_for_input or self.queue._prefill_unreachable(r):
+            if not r.waiting_for_input:
+                continue
+            if self.queue._prefill_unreachable(r) and not self.queue._probe(
+                r, admission
+            ):
                 continue
             if self.queue._over_share(r, admission, skipped):
                 continue
@@ -269,6 +273,17 @@ class TestAdmissionByPrefill(CustomTestCase):
         self.queue.queue = [decode_req(STUCK, 4), decode_req(HEALTHY, 5)]
         self.assertEqual(self.reached_by_pop_preallocated(), [5])
 
+    def test_pop_preallocated_gives_a_stuck_prefill_one_probe_a_cycle(self):
+        self.hold(STUCK, 1)
+        self.admit()
+        self.clock.now += STUCK_S
+        self.queue.queue = [
+            decode_req(STUCK, 2),
+            decode_req(STUCK, 3),
+            decode_req(HEALTHY, 4),
+        ]
+        self.assertEqual(self.reached_by_pop_preallocated(), [2, 4])
+
     def test_a_capped_prefills_request_is_skipped_and_a_later_one_admitted(self):
         self.hold(STUCK, 1, 2, 3)  # 3 x 530 of 4096: its share is 2048
         self.queue.queue = [
@@ -313,16 +328,54 @@ class TestAdmissionByPrefill(CustomTestCase):
         self.queue.transfer_queue.queue.pop()  # the healthy one's KV arrived
         self.queue.transfer_queue.prefill_admission.progress(HEALTHY, self.clock.now)
         self.clock.now += STUCK_S
-        self.queue.queue = [decode_req(STUCK, 6), decode_req(HEALTHY, 7)]
-        self.assertEqual(self.admit(), [7])
-        # Its two transfers hold no decode headroom; the healthy ones do.
-        self.queue.transfer_queue.queue.append(decode_req(HEALTHY, 7))
+        # Marked stuck, it gets KV for one request at a time: a probe.
+        self.queue.queue = [
+            decode_req(STUCK, 6),
+            decode_req(STUCK, 7),
+            decode_req(HEALTHY, 8),
+        ]
+        self.assertEqual(self.admit(), [6, 8])
+        self.hold(STUCK, 6)
+        self.hold(HEALTHY, 8)
+        self.queue.queue = [decode_req(STUCK, 7), decode_req(HEALTHY, 9)]
+        self.assertEqual(self.admit(), [9])  # its probe is out
+        # Its three transfers hold no decode headroom; the healthy one does.
         self.assertEqual(self.queue._active_req_count(), 1)
 
-        # It makes progress: its next request gets KV at once.
+        # It makes progress: its next requests get KV at once.
         self.queue.transfer_queue.prefill_admission.progress(STUCK, self.clock.now)
-        self.queue.queue = [decode_req(STUCK, 6)]
-        self.assertEqual(self.admit(), [6])
+        self.queue.queue = [decode_req(STUCK, 7), decode_req(STUCK, 10)]
+        self.assertEqual(self.admit(), [7, 10])
+
+    def test_a_stuck_prefill_that_only_lost_a_request_is_unmarked_by_its_probe(
+        self,
+    ):
+        # Its one transfer's KV never comes (that request was lost on its
+        # side); nothing else was sent to it meanwhile.
+        self.hold(STUCK, 1)
+        self.admit()
+        self.clock.now += STUCK_S
+        self.queue.queue = [decode_req(STUCK, 2), decode_req(STUCK, 3)]
+        self.assertEqual(self.admit(), [2])
+        self.hold(STUCK, 2)
+        with self.assertLogs(decode_mod.logger, "INFO") as logs:
+            self.progress(STUCK)  # the probe's KV arrives
+        self.assertIn("makes progress again", logs.output[0])
+        self.queue.transfer_queue.queue.pop()
+        self.queue.queue = [decode_req(STUCK, 3)]
+        self.assertEqual(self.admit(), [3])
+
+    def test_a_stuck_prefill_that_holds_nothing_any_more_is_unmarked(self):
+        self.hold(STUCK, 1)
+        self.admit()
+        self.clock.now += STUCK_S
+        self.admit()
+        self.assertIn(STUCK, self.queue._admission.stuck)
+        self.queue.transfer_queue.queue.clear()  # e.g. it timed out
+        with self.assertLogs(decode_mod.logger, "INFO") as logs:
+            self.admit()
+        self.assertEqual(self.queue._admission.stuck, {})
+        self.assertIn(f"Prefill {STUCK} holds nothing", logs.output[0])
 
     def test_after_the_longer_bound_its_requests_end_with_a_retryable_cause(self):
         self.hold(STUCK, 1)
@@ -361,7 +414,7 @@ class TestAdmissionByPrefill(CustomTestCase):
         def another_rank_is_stuck_on(addr):
             def reduce(flags, group, op):
                 calls.append((list(flags), group))
-                return [1 if a == addr else f for a, f in zip(addrs, flags)]
+                return [2 if a == addr else f for a, f in zip(addrs, flags)]
 
             return reduce
 
@@ -372,6 +425,35 @@ class TestAdmissionByPrefill(CustomTestCase):
             self.queue._update_held_back()
         self.assertEqual(calls, [([0, 0], self.queue.gloo_group)])
         self.assertEqual(self.queue._held_back, {STUCK})
+        self.assertEqual(self.queue._probe_ok, set())
+
+    def test_every_rank_probes_a_stuck_prefill_only_if_all_may(self):
+        self.hold(STUCK, 1)
+        self.hold(HEALTHY, 2)
+        self.admit()
+        self.clock.now += STUCK_S
+        self.progress(HEALTHY)
+        self.admit()  # stuck here, no probe out
+        self.queue.gloo_group = object()
+        sent = []
+
+        def reduce_with(other_rank):
+            def reduce(flags, group, op):
+                sent.append(list(flags))
+                return [max(a, b) for a, b in zip(flags, other_rank)]
+
+            return reduce
+
+        # Sorted: HEALTHY, STUCK. The other rank has not marked it yet.
+        with mock.patch.object(decode_mod, "all_reduce_flags", reduce_with([0, 0])):
+            self.queue._update_held_back()
+        self.assertEqual(sent, [[0, 1]])
+        self.assertEqual(self.queue._probe_ok, {STUCK})
+        # The other rank's probe of it is out.
+        with mock.patch.object(decode_mod, "all_reduce_flags", reduce_with([0, 2])):
+            self.queue._update_held_back()
+        self.assertEqual(self.queue._held_back, {STUCK})
+        self.assertEqual(self.queue._probe_ok, set())
 
 
 class TestFence(CustomTestCase):
