@@ -332,7 +332,12 @@ def frozen_in_flight(run: Run) -> None:
 
 def slow(delay_s: float) -> Callable[[Run], None]:
     def body(run: Run) -> None:
-        run.faulty.set_fault("delay", delay_s=delay_s)
+        # The bootstrap queries, not /health: the heartbeat's probe reads for
+        # 3 s (0.5.23's), so a /health this slow fails it after two misses,
+        # and whether the requests finished first was a race.
+        run.faulty.set_fault(
+            "delay", delay_s=delay_s, paths=["/route", "/query_dp_ranks"]
+        )
         run.spread()
         run.finish()
         run.faulty.clear_fault()
