@@ -351,6 +351,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="result JSON")
     ap.add_argument("--backend", choices=("mooncake", "nixl"), default="mooncake")
     ap.add_argument("--quick", action="store_true", help="rounds 0x and 4x only")
+    ap.add_argument("--ttft-only", action="store_true", help="no rounds")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument(
         "--allocation-policy",
@@ -360,6 +361,8 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     args.multiples = (0, 4) if args.quick else MULTIPLES
+    if args.ttft_only:
+        args.multiples = ()
     procs = Processes()
 
     def on_signal(signum, frame):
