@@ -363,6 +363,15 @@ class TestFetchesOwnTheirConnections(CustomTestCase):
         self.assertEqual(self.server.httpd.connections, 1)
         self.assertEqual(self.http.idle_count(), 1)
 
+    def test_a_reused_connection_reads_for_its_new_requests_timeout(self):
+        # A heartbeat probe (reads for 3 s) leaves its connection idle; the
+        # route lookup that takes it over reads for its own 5 s.
+        self.http.get(f"http://{self.server.addr}/health", timeout=(2, 3))
+        self.assertIsNotNone(self.receiver._get_bootstrap_info_from_server(0, 0, 0, 0))
+        self.assertEqual(self.server.httpd.connections, 1)
+        [(_, conn)] = self.http._idle[self.server.addr]
+        self.assertEqual(conn.sock.gettimeout(), 5)
+
     def test_idle_connections_per_prefill_are_capped_then_closed(self):
         self.server.httpd.release.set()
         self.server.httpd.at_once = threading.Barrier(4, timeout=_WAIT_S)

@@ -169,6 +169,10 @@ class _BootstrapHTTP:
             headers["Content-Type"] = "application/json"
         conn = self._take(bootstrap_addr)
         if conn is not None:
+            # Its socket still reads for the timeout of the request that made
+            # it: a heartbeat probe's 3 s would cut a 5 s lookup short.
+            conn.timeout = read_timeout
+            conn.sock.settimeout(read_timeout)
             try:
                 return self._send(bootstrap_addr, conn, method, path, body, headers)
             except (http.client.RemoteDisconnected, ConnectionError):
