@@ -287,10 +287,8 @@ class DecodeSide:
             t = self._by_decode_req.get(id(decode_req))
             if t is None:
                 continue
-            if admission is not None and (
-                queue._prefill_unreachable(decode_req)
-                and not queue._probe(decode_req, admission)
-                or queue._over_share(decode_req, admission, skipped)
+            if admission is not None and queue._skip_for_its_prefill(
+                decode_req, admission, skipped
             ):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)

@@ -1939,12 +1939,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if not decode_req.waiting_for_input:
                 continue
 
-            if self._prefill_unreachable(decode_req) and not self._probe(
-                decode_req, admission
-            ):
-                continue
-
-            if self._over_share(decode_req, admission, skipped):
+            if self._skip_for_its_prefill(decode_req, admission, skipped):
                 continue
 
             if self.req_to_metadata_buffer_idx_allocator.available_size() <= 0:
@@ -2670,6 +2665,20 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             skipped.add(bootstrap_addr)
             return True
         return False
+
+    def _skip_for_its_prefill(
+        self,
+        decode_req: DecodeRequest,
+        admission: _PrefillAdmission,
+        skipped: Set[str],
+    ) -> bool:
+        """pop_preallocated's checks by prefill, before its capacity checks:
+        its prefill is held back (and this is not its probe), or it would
+        go over its share."""
+        return (
+            self._prefill_unreachable(decode_req)
+            and not self._probe(decode_req, admission)
+        ) or self._over_share(decode_req, admission, skipped)
 
     def _give_up_on_prefill(self, bootstrap_addr: str, idle_s: float) -> None:
         """End every request of a prefill that made no progress for the

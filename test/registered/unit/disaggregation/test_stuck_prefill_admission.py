@@ -170,8 +170,8 @@ def decode_req(addr, room, waiting=True, **kwargs):
 class TestAdmissionByPrefill(CustomTestCase):
     """The per-cycle decisions of DecodePreallocQueue.pop_preallocated on a
     DecodePreallocQueue.__new__ queue: its admission loop skips a request
-    when _prefill_unreachable() or _over_share() says so, and gives KV to
-    the others in order (admit() below walks it the same way; one test runs
+    when _skip_for_its_prefill() says so, and gives KV to the others in
+    order (admit() below walks it the same way; two tests run
     pop_preallocated itself)."""
 
     def setUp(self):
@@ -225,11 +225,7 @@ class TestAdmissionByPrefill(CustomTestCase):
         for r in self.queue.queue:
             if not r.waiting_for_input:
                 continue
-            if self.queue._prefill_unreachable(r) and not self.queue._probe(
-                r, admission
-            ):
-                continue
-            if self.queue._over_share(r, admission, skipped):
+            if self.queue._skip_for_its_prefill(r, admission, skipped):
                 continue
             admitted.append(r.req.bootstrap_room)
             admission.hold(r, self.queue._admission_tokens(r.req))
