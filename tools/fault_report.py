@@ -25,11 +25,15 @@ CLEAR = {
     "B": "Could not fetch bootstrap info from <addr> for: prefill_dp_rank: 0 "
     "prefill_cp_rank: 0 target_tp_rank: 0 and target_pp_rank 0",
     "C": "Lost connection with prefill instance (bootstrap_addr: <addr>)",
+    "D": "Prefill <addr> made no progress on this decode's KV transfers for N s "
+    "while its bootstrap server kept answering (a hung scheduler?); this request "
+    "ends so that it can be retried on another prefill.",
 }
 PREFIXES = {
     "A": "Could not fetch prefill parallel info",
     "B": "Could not fetch bootstrap info",
     "C": "Lost connection with prefill instance",
+    "D": "Prefill <addr> made no progress on this decode's KV transfers",
 }
 KINDS = ("info", "route", "dp_ranks", "health")
 
@@ -73,7 +77,15 @@ def violations(run: dict) -> list:
     unclear = [m for m in run["failures"] if not any(p in m for p in PREFIXES.values())]
     if unclear:
         out.append("unclear error: " + "; ".join(f"{m[:80]!r}" for m in unclear))
-    left = run.get("extra", {}).get("non_daemon_threads_after_teardown")
+    extra = run.get("extra", {})
+    if "healthy_total" in extra:
+        served, total = extra["healthy_served_while_stuck_held"], extra["healthy_total"]
+        if served < total:
+            out.append(
+                f"{total - served} of {total} healthy request(s) not served while "
+                "the stuck prefill's requests were waiting"
+            )
+    left = extra.get("non_daemon_threads_after_teardown")
     if left:
         out.append(f"non-daemon threads left after teardown: {left}")
     if run["new_non_daemon_threads"]:
@@ -161,6 +173,16 @@ def fmt_notes(run):
         )
     if "toggles" in extra:
         notes.append(f"{extra['toggles']} toggles")
+    if "healthy_total" in extra:
+        notes.append(
+            f"healthy served meanwhile: {extra['healthy_served_while_stuck_held']} "
+            f"of {extra['healthy_total']}; its requests that got KV: "
+            f"{extra['stuck_held_most']}"
+        )
+    if "served_after_resume" in extra:
+        notes.append(
+            f"its requests served after the resume: {extra['served_after_resume']}"
+        )
     return "; ".join(notes)
 
 

@@ -34,6 +34,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -67,6 +68,8 @@ class Fault:
     title: str
     phase: str
     body: Callable[["Run"], None]
+    # --disaggregation-decode-allocation-policy of every server in the run.
+    policy: str = "early"
 
 
 class Run:
@@ -133,14 +136,17 @@ class Run:
 
 
 class Matrix:
-    """A cluster of 3 prefills and the decode side, shared by every run."""
+    """A cluster of 3 prefills and the decode side, shared by every run of
+    its allocation policy. A run of another policy goes to a child process:
+    the decode's runtime context, the policy included, is process-wide."""
 
-    def __init__(self, backend: str = "mooncake"):
+    def __init__(self, backend: str = "mooncake", policy: str = "early"):
         self.backend = backend
+        self.policy = policy
         self.cluster: Optional[harness.Cluster] = None
 
     def __enter__(self) -> "Matrix":
-        self.cluster = FastFailCluster(self.backend, 3).__enter__()
+        self.cluster = FastFailCluster(self.backend, 3, self.policy).__enter__()
         self.faulty = self.cluster.prefills[0]
         self.healthy = self.cluster.prefills[1:]
         return self
@@ -185,6 +191,8 @@ class Matrix:
             raise RuntimeError(f"warm-up transfer failed: {first.error}")
 
     def run(self, fault: Fault) -> dict:
+        if fault.policy != self.policy:
+            return self._run_in_child(fault)
         self.reset()
         run = Run(self, fault)
         if fault.phase == CACHED:
@@ -205,6 +213,47 @@ class Matrix:
         calls = d.cycles[n_cycles:] + d.adds[n_adds:]
         threads_end = _threads()
         return summarize(run, calls, t0, t1, threads_start, threads_end)
+
+    def _run_in_child(self, fault: Fault, timeout_s: float = 300) -> dict:
+        with tempfile.TemporaryDirectory(prefix="pd_faults_") as tmp:
+            out = os.path.join(tmp, "runs.json")
+            cmd = [
+                sys.executable,
+                "-W",
+                "ignore",
+                os.path.abspath(__file__),
+                "--backend",
+                self.backend,
+                "--allocation-policy",
+                fault.policy,
+                "--faults",
+                fault.name,
+                "--out",
+                out,
+            ]
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            try:
+                log, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                harness._kill_group(proc)
+                log, _ = proc.communicate()
+            if proc.returncode != 0 or not os.path.exists(out):
+                raise RuntimeError(
+                    f"the {fault.policy} fault run exited with {proc.returncode}:"
+                    f"\n{log[-4000:]}"
+                )
+            with open(out) as f:
+                runs = json.load(f)["runs"]
+        for r in runs:
+            if (r["title"], r["phase"]) == (fault.title, fault.phase):
+                return r
+        raise RuntimeError(f"the {fault.policy} fault run has no {fault.title!r}")
 
 
 def _threads() -> Dict[str, bool]:
@@ -241,6 +290,7 @@ def summarize(run: Run, calls, t0, t1, threads_start, threads_end) -> dict:
         "fault": run.fault.name,
         "title": run.fault.title,
         "phase": run.fault.phase,
+        "policy": run.fault.policy,
         "duration_s": round(t1 - t0, 2),
         "longest_call_s": round(worst.duration, 4) if worst else None,
         "longest_call_cpu_s": round(worst.cpu, 4) if worst else None,
@@ -646,6 +696,29 @@ def scheduler_frozen(run: Run) -> None:
     run.extra["healthy_total"] = len(healthy)
 
 
+def scheduler_frozen_prefill_complete(run: Run) -> None:
+    # Row 11 under prefill_complete: the frozen prefill never completes a
+    # prefill, so the decode allocates nothing for its requests. After the
+    # resume it completes them in order and every one is served.
+    healthy = []
+    for _ in range(6):
+        run.request(None, n=4, num_tokens=BIG_TOKENS)
+        for p in run.healthy:
+            healthy += run.request(p, num_tokens=BIG_TOKENS)
+        run.cycles(lambda: all(t.finished for t in healthy), 5)
+        run.for_s(0.2)
+    frozen = [t for t in run.requests if t not in healthy]
+    run.extra["stuck_held_most"] = sum(t.t_metadata is not None for t in frozen)
+    run.extra["healthy_served_while_stuck_held"] = sum(
+        t.state == "success" for t in healthy
+    )
+    run.extra["healthy_total"] = len(healthy)
+    for t in frozen:
+        t.prefill_job = run.faulty.send_kv(t.room, t.num_tokens)
+    run.finish()
+    run.extra["served_after_resume"] = sum(t.state == "success" for t in frozen)
+
+
 FAULTS: List[Fault] = [
     Fault("port_closed", "1. bootstrap port closed", FIRST, port_closed_first),
     Fault(
@@ -742,6 +815,13 @@ FAULTS: List[Fault] = [
         FIRST,
         scheduler_frozen,
     ),
+    Fault(
+        "scheduler_frozen",
+        "11. scheduler frozen, bootstrap alive (prefill_complete)",
+        FIRST,
+        scheduler_frozen_prefill_complete,
+        policy="prefill_complete",
+    ),
 ]
 
 
@@ -750,16 +830,27 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the runs here (JSON)")
     parser.add_argument("--backend", default="mooncake")
     parser.add_argument("--faults", help="comma-separated fault names (default all)")
+    parser.add_argument(
+        "--allocation-policy",
+        choices=("early", "prefill_complete"),
+        help="only the runs of this policy (default: every run, each policy's "
+        "but early's in a child process)",
+    )
     parser.add_argument("--teardown-child", metavar="ADDR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.teardown_child:
         return teardown_child(args.teardown_child, args.backend)
     wanted = set(args.faults.split(",")) if args.faults else None
-    faults = [f for f in FAULTS if wanted is None or f.name in wanted]
+    faults = [
+        f
+        for f in FAULTS
+        if (wanted is None or f.name in wanted)
+        and args.allocation_policy in (None, f.policy)
+    ]
     variant, _ = harness.detect_variant()
     runs = []
     harness.install_signal_handlers()
-    with Matrix(args.backend) as m:
+    with Matrix(args.backend, args.allocation_policy or "early") as m:
         for fault in faults:
             print(f"[faults] {variant}: {fault.title} ({fault.phase}) ...", flush=True)
             t0 = time.monotonic()

@@ -117,18 +117,27 @@ class Cluster:
         *,
         decode_kwargs: Optional[dict] = None,
         log_dir: Optional[str] = None,
+        allocation_policy: str = "early",
     ):
         self.backend = backend
         self.model_path = pd_setup.ensure_tiny_model()
         self._own_log_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix=f"pd_loopback_{backend}_")
+        # --disaggregation-decode-allocation-policy, on every server.
+        self.allocation_policy = allocation_policy
         self.prefills: List[PrefillProcess] = [
-            PrefillProcess(backend, self.model_path, self.log_dir, f"prefill{i}")
+            PrefillProcess(
+                backend, self.model_path, self.log_dir, f"prefill{i}", allocation_policy
+            )
             for i in range(num_prefills)
         ]
         self.blackholes: List[Blackhole] = []
         self.decode: Optional[DecodeSide] = None
-        self._decode_kwargs = decode_kwargs or {}
+        self._decode_kwargs = dict(decode_kwargs or {})
+        self._decode_kwargs["server_args"] = {
+            **self._decode_kwargs.get("server_args", {}),
+            "disaggregation_decode_allocation_policy": allocation_policy,
+        }
 
     def __enter__(self) -> "Cluster":
         install_signal_handlers()

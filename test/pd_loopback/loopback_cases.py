@@ -43,7 +43,9 @@ class FastFailCluster(harness.Cluster):
     """A Cluster with the small retry budget above, and the fast heartbeat
     set in this process's environment while it runs."""
 
-    def __init__(self, backend: str, num_prefills: int):
+    def __init__(
+        self, backend: str, num_prefills: int, allocation_policy: str = "early"
+    ):
         super().__init__(
             backend,
             num_prefills,
@@ -51,6 +53,7 @@ class FastFailCluster(harness.Cluster):
                 max_ensure_retries=MAX_ENSURE_RETRIES,
                 ensure_retry_interval=ENSURE_RETRY_INTERVAL_S,
             ),
+            allocation_policy=allocation_policy,
         )
         self._saved_env = None
 

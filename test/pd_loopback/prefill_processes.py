@@ -112,8 +112,16 @@ class PrefillProcess:
 
     _ids = itertools.count(1)
 
-    def __init__(self, backend: str, model_path: str, log_dir: str, name: str):
+    def __init__(
+        self,
+        backend: str,
+        model_path: str,
+        log_dir: str,
+        name: str,
+        allocation_policy: str = "early",
+    ):
         self.backend = backend
+        self.allocation_policy = allocation_policy
         self.model_path = model_path
         self.name = name
         self.bootstrap_port = free_port()
@@ -156,6 +164,8 @@ class PrefillProcess:
             str(self.bootstrap_port),
             "--ctl-fd",
             str(child_sock.fileno()),
+            "--allocation-policy",
+            self.allocation_policy,
         ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

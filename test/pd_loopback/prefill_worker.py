@@ -150,6 +150,7 @@ class Worker:
             model_path=a.model_path,
             port=a.port,
             bootstrap_port=a.bootstrap_port,
+            disaggregation_decode_allocation_policy=a.allocation_policy,
         )
         pd_setup.publish_process(self.server_args)
         self.bootstrap_server = _make_bootstrap_server(a.backend, a.bootstrap_port)
@@ -224,14 +225,20 @@ class Worker:
                 return str(e)
             return "failed without an exception"
 
+        deferred = self.args.allocation_policy == "prefill_complete"
+        if deferred:
+            # The forward pass runs first; only then may the decode allocate.
+            time.sleep(float(msg.get("hold_s", 0.0)))
+            sender.mark_prefill_complete()
         state = wait_for((KVPoll.WaitingForInput, KVPoll.Failed))
         if state != KVPoll.WaitingForInput:
             if state == -1:
                 sender.abort()
                 return {"status": "Timeout", "error": "decode never bootstrapped"}
             return {"status": "Failed", "error": failure()}
-        # The decode has sent its metadata; this stands for the forward pass.
-        time.sleep(float(msg.get("hold_s", 0.0)))
+        if not deferred:
+            # The decode has sent its metadata; this stands for the forward pass.
+            time.sleep(float(msg.get("hold_s", 0.0)))
 
         with self.alloc_lock:
             token_indices = self.allocator.alloc(num_tokens)
@@ -253,6 +260,10 @@ class Worker:
             with self.alloc_lock:
                 self.allocator.free(token_indices)
                 self.metadata_allocator.free(aux_index)
+            if deferred:
+                # prefill_complete: the decode hears of Success only from the
+                # sender's clear(), which the prefill scheduler calls.
+                sender.clear()
         if state == KVPoll.Success:
             return {"status": "Success"}
         if state == -1:
@@ -292,6 +303,9 @@ def main() -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--bootstrap-port", type=int, required=True)
     parser.add_argument("--ctl-fd", type=int, required=True)
+    parser.add_argument(
+        "--allocation-policy", default="early", choices=["early", "prefill_complete"]
+    )
     args = parser.parse_args()
 
     _die_with_parent()

@@ -133,6 +133,16 @@ class TestFaultMatrixMooncake(CustomTestCase):
         self.assertEqual(r["faulty"]["failed"], r["faulty"]["total"], r)
         self.assertIn(NO_PROGRESS, "".join(r["failures"]))
 
+    def check_scheduler_frozen_prefill_complete(self, r, fault):
+        # The frozen prefill's requests held no decode KV; the healthy ones
+        # were served meanwhile, and every frozen one after the resume.
+        extra = r["extra"]
+        self.assertEqual(extra["stuck_held_most"], 0, r)
+        self.assertEqual(
+            extra["healthy_served_while_stuck_held"], extra["healthy_total"], r
+        )
+        self.assertEqual(extra["served_after_resume"], r["faulty"]["total"], r)
+
     def check_teardown(self, r, fault):
         extra = r["extra"]
         self.assertEqual(extra["teardown"], "teardown()", extra)
@@ -149,12 +159,15 @@ def _make_test(fault: Fault):
     def test(self):
         r = self.run_fault(fault)
         kind = "malformed" if fault.name.startswith("malformed") else fault.name
+        if fault.policy != "early":
+            kind += f"_{fault.policy}"
         check = getattr(self, f"check_{kind}", None)
         if check is not None:
             check(r, fault)
 
     phase = "cached" if fault.phase == CACHED else "first_contact"
-    test.__name__ = f"test_{fault.name}_{phase}"
+    policy = "" if fault.policy == "early" else f"_{fault.policy}"
+    test.__name__ = f"test_{fault.name}_{phase}{policy}"
     test.__doc__ = f"{fault.title} ({fault.phase})"
     return test
 
