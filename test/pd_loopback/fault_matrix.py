@@ -671,35 +671,10 @@ def stuck_prefill_bounds(decode):
         decode.queue._admission = None
 
 
-def scheduler_frozen(run: Run) -> None:
-    # The prefill's scheduler hangs and its bootstrap server answers (the
-    # harness never asks it to send): the decode's handshake for its requests
-    # succeeds and their KV never comes. Six rounds of four such requests and
-    # one per healthy prefill (three times what the decode's pool holds), with
-    # a pause between rounds in which no healthy request waits.
-    healthy = []
-    with stuck_prefill_bounds(run.d):
-        for _ in range(6):
-            run.request(None, n=4, num_tokens=BIG_TOKENS)
-            for p in run.healthy:
-                healthy += run.request(p, num_tokens=BIG_TOKENS)
-            run.cycles(lambda: all(t.finished for t in healthy), 5)
-            run.for_s(0.2)
-        stuck = [t for t in run.requests if t not in healthy]
-        run.extra["stuck_held_most"] = sum(t.t_metadata is not None for t in stuck)
-        run.finish()
-    first_end = min((t.t_done for t in stuck if t.finished), default=None)
-    run.extra["healthy_served_while_stuck_held"] = sum(
-        t.state == "success" and (first_end is None or t.t_done < first_end)
-        for t in healthy
-    )
-    run.extra["healthy_total"] = len(healthy)
-
-
-def scheduler_frozen_prefill_complete(run: Run) -> None:
-    # Row 11 under prefill_complete: the frozen prefill never completes a
-    # prefill, so the decode allocates nothing for its requests. After the
-    # resume it completes them in order and every one is served.
+def _frozen_scheduler_rounds(run: Run):
+    """Six rounds of four requests to the frozen prefill and one per healthy
+    prefill (three times what the decode's pool holds), with a pause between
+    rounds in which no healthy request waits. Returns (healthy, frozen)."""
     healthy = []
     for _ in range(6):
         run.request(None, n=4, num_tokens=BIG_TOKENS)
@@ -709,10 +684,32 @@ def scheduler_frozen_prefill_complete(run: Run) -> None:
         run.for_s(0.2)
     frozen = [t for t in run.requests if t not in healthy]
     run.extra["stuck_held_most"] = sum(t.t_metadata is not None for t in frozen)
+    run.extra["healthy_total"] = len(healthy)
+    return healthy, frozen
+
+
+def scheduler_frozen(run: Run) -> None:
+    # The prefill's scheduler hangs and its bootstrap server answers (the
+    # harness never asks it to send): the decode's handshake for its requests
+    # succeeds and their KV never comes.
+    with stuck_prefill_bounds(run.d):
+        healthy, stuck = _frozen_scheduler_rounds(run)
+        run.finish()
+    first_end = min((t.t_done for t in stuck if t.finished), default=None)
+    run.extra["healthy_served_while_stuck_held"] = sum(
+        t.state == "success" and (first_end is None or t.t_done < first_end)
+        for t in healthy
+    )
+
+
+def scheduler_frozen_prefill_complete(run: Run) -> None:
+    # Row 11 under prefill_complete: the frozen prefill never completes a
+    # prefill, so the decode allocates nothing for its requests. After the
+    # resume it completes them in order and every one is served.
+    healthy, frozen = _frozen_scheduler_rounds(run)
     run.extra["healthy_served_while_stuck_held"] = sum(
         t.state == "success" for t in healthy
     )
-    run.extra["healthy_total"] = len(healthy)
     for t in frozen:
         t.prefill_job = run.faulty.send_kv(t.room, t.num_tokens)
     run.finish()

@@ -123,8 +123,8 @@ class Cluster:
         self.model_path = pd_setup.ensure_tiny_model()
         self._own_log_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix=f"pd_loopback_{backend}_")
-        # --disaggregation-decode-allocation-policy, on every server.
-        self.allocation_policy = allocation_policy
+        # allocation_policy: --disaggregation-decode-allocation-policy, on every
+        # server.
         self.prefills: List[PrefillProcess] = [
             PrefillProcess(
                 backend, self.model_path, self.log_dir, f"prefill{i}", allocation_policy
