@@ -60,6 +60,7 @@ from sglang.srt.disaggregation.checksum import (
 from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
+    _env_float,
     bootstrap_fetch_overdue,
 )
 from sglang.srt.disaggregation.decode_hicache_mixin import (
@@ -94,7 +95,7 @@ from sglang.srt.disaggregation.utils import (
     prepare_abort,
     setup_state_kv_args,
 )
-from sglang.srt.environ import EnvFloat, envs
+from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import (
     FINISH_ABORT,
     NextBatchPlan,
@@ -430,14 +431,6 @@ class _PendingPrefill:
         self.fresh = True
         # When a room not answered by the prefill is due to be asked again.
         self.dp_recheck_at = 0.0
-
-
-def _env_float(name: str, default: float) -> EnvFloat:
-    """An envs field outside sglang.srt.environ.Envs, where these belong
-    upstream (environ.py is not among the files this patch changes)."""
-    field = EnvFloat(default)
-    field.name = name
-    return field
 
 
 # A prefill holding KV on this decode for transfers that have not arrived,

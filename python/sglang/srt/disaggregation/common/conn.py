@@ -57,7 +57,7 @@ from sglang.srt.disaggregation.utils import (
     filter_kv_indices_for_shard_rank,
     get_dsv41_spec_layout,
 )
-from sglang.srt.environ import envs
+from sglang.srt.environ import EnvFloat, envs
 from sglang.srt.mem_cache.page_interleave import get_kv_shard_group
 from sglang.srt.observability.trace import TraceNullContext, TraceReqContext
 from sglang.srt.runtime_context import (
@@ -101,6 +101,42 @@ BOOTSTRAP_FETCH_LANE_WORKERS = {"bootstrap": 2, "health": 1, "rebootstrap": 4}
 BOOTSTRAP_FETCH_LANE_IDLE_S = 60.0
 # A heartbeat probe (timeout=(2, 3)) still running this long has failed.
 HEARTBEAT_PROBE_TIMEOUT_S = 5
+
+
+def _env_float(name: str, default: float) -> EnvFloat:
+    """An envs field outside sglang.srt.environ.Envs, where these belong
+    upstream (environ.py is not among the files this patch changes)."""
+    field = EnvFloat(default)
+    field.name = name
+    return field
+
+
+# The prefill side's bounds on one decode (_TransferLanes, _PushSender).
+# A KV chunk to a decode that has not ended this long after it started fails
+# its room and the rooms queued behind it for that decode. Mooncake's own
+# MC_TRANSFER_TIMEOUT is 30 s; NIXL's wait had no bound.
+SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT = _env_float(
+    "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT", 30.0
+)
+# The first contact with a decode (Mooncake: a probe before the engine opens
+# its segment, under a lock every transfer takes) that has not answered this
+# long fails the rooms waiting for it.
+SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT = _env_float(
+    "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT", 10.0
+)
+# Messages held for a decode whose socket took none of them this long are
+# dropped. 0.5.23 blocked the sending thread this long (SNDTIMEO).
+SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT = _env_float(
+    "SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT", 30.0
+)
+# Decode destinations with a transfer lane of their own at once; past this,
+# new ones share TRANSFER_LANES_SHARED lanes.
+SGLANG_DISAGGREGATION_MAX_TRANSFER_LANES = _env_float(
+    "SGLANG_DISAGGREGATION_MAX_TRANSFER_LANES", 256
+)
+TRANSFER_LANES_SHARED = 4
+# A transfer lane with nothing to send for this long ends.
+TRANSFER_LANE_IDLE_S = 60.0
 
 
 # Idle keep-alive connections kept per bootstrap server, and for how long.
@@ -592,18 +628,33 @@ class _PushSender:
     has waited SNDTIMEO, as an inline send would have, the peer is stuck and
     every message held for it fails at once. A send that fails runs its
     on_failure. A prefill marked failed (disconnect_endpoint) loses its
-    messages, which nobody waits for any more, and its socket."""
+    messages, which nobody waits for any more, and its socket.
+
+    A prefill KV manager has one of its own for the status messages, abort
+    acks and aux data it sends to decodes (``connect`` gives its sockets), so
+    that a decode that stops reading holds no transfer worker, and no
+    bootstrap or scheduler thread, for 0.5.23's SNDTIMEO."""
 
     # Messages posted and not yet sent, in all and for one endpoint; past
     # these, a post fails at once.
     MAX_QUEUED = 65536
     MAX_QUEUED_PER_ENDPOINT = 4096
 
-    def __init__(self):
+    def __init__(
+        self,
+        name: str = "pd-decode-zmq-sender",
+        connect: Optional[Callable[[object], zmq.Socket]] = None,
+        send_timeout_s: Optional[float] = None,
+    ):
+        # What a message is posted with (a prefill rank's bootstrap_info by
+        # default) gives its socket.
+        self._connect = connect or (
+            lambda info: CommonKVReceiver._connect_to_bootstrap_server(info)[0]
+        )
         self._lock = threading.Lock()
         # Posted and not yet taken by the sender thread: ("send", endpoint,
         # bootstrap_info, frames, on_failure), ("forget", endpoint),
-        # ("close_all",) or ("barrier", event).
+        # ("close_all",), ("stop",) or ("barrier", event).
         self._inbox: Deque[tuple] = deque()
         self._queued: Dict[str, int] = {}
         self._queued_total = 0
@@ -614,10 +665,12 @@ class _PushSender:
         # Sender thread only.
         self._held: Dict[str, _HeldMessages] = {}
         self._poller = zmq.Poller()
-        self._send_timeout_s = envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get()
-        self._thread = threading.Thread(
-            target=self._run, name="pd-decode-zmq-sender", daemon=True
+        self._send_timeout_s = (
+            send_timeout_s
+            if send_timeout_s is not None
+            else envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get()
         )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def post(
@@ -633,6 +686,16 @@ class _PushSender:
         except Exception as e:
             self._failed(bootstrap_info, on_failure, e)
             return
+        self.post_to(endpoint, bootstrap_info, frames, on_failure)
+
+    def post_to(
+        self,
+        endpoint: str,
+        target: object,
+        frames: List[bytes],
+        on_failure: Optional[Callable[[BaseException], None]] = None,
+    ) -> None:
+        """Post to ``endpoint``, whose socket ``connect(target)`` gives."""
         with self._lock:
             full = (
                 self._queued_total >= self.MAX_QUEUED
@@ -642,9 +705,9 @@ class _PushSender:
                 self._queued[endpoint] = self._queued.get(endpoint, 0) + 1
                 self._queued_total += 1
         if full:
-            self._failed(bootstrap_info, on_failure, queue.Full())
+            self._failed(target, on_failure, queue.Full())
             return
-        self._command("send", endpoint, bootstrap_info, frames, on_failure)
+        self._command("send", endpoint, target, frames, on_failure)
 
     def forget(self, endpoint: str) -> None:
         """Drop the messages for ``endpoint`` posted so far and close its
@@ -654,6 +717,12 @@ class _PushSender:
     def close_all(self) -> None:
         """Close every socket, after sending what was posted so far."""
         self._command("close_all")
+
+    def stop(self, timeout_s: float = 3.0) -> None:
+        """Send what was posted so far if it can be sent now, fail what is
+        held, and end the thread; the sockets are the caller's to close."""
+        self._command("stop")
+        self._thread.join(timeout_s)
 
     def barrier(self) -> threading.Event:
         """Set once every message posted before it is sent, held back, failed
@@ -705,6 +774,10 @@ class _PushSender:
                     for endpoint in list(self._held):
                         self._release(endpoint, zmq.ZMQError("sockets closed"))
                     CommonKVReceiver._close_all_endpoints()
+                elif command == "stop":
+                    for endpoint in list(self._held):
+                        self._release(endpoint, zmq.ZMQError("sender stopped"))
+                    return
                 else:
                     barriers.append(args[0])
             now = time.monotonic()
@@ -730,7 +803,15 @@ class _PushSender:
             self._poller.register(sock, zmq.POLLOUT)
 
     def _send_held(self, endpoint: str, held: _HeldMessages, now: float) -> None:
-        while held.items and self._send(held.items[0]) is None:
+        while held.items:
+            sock = self._send(held.items[0])
+            if sock is not None:
+                if sock is not held.sock:
+                    # connect() replaced a socket whose peer went away.
+                    self._poller.unregister(held.sock)
+                    self._poller.register(sock, zmq.POLLOUT)
+                    held.sock = sock
+                break
             held.items.popleft()
             held.since = now
         if not held.items:
@@ -738,14 +819,14 @@ class _PushSender:
 
     def _send(self, item: tuple) -> Optional[zmq.Socket]:
         """Send without waiting; the socket if it cannot take it now."""
-        endpoint, bootstrap_info, frames, on_failure = item
+        endpoint, target, frames, on_failure = item
         try:
-            sock, _ = CommonKVReceiver._connect_to_bootstrap_server(bootstrap_info)
+            sock = self._connect(target)
             sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             return sock
         except Exception as e:
-            self._failed(bootstrap_info, on_failure, e)
+            self._failed(target, on_failure, e)
         self._done(endpoint, 1)
         return None
 
@@ -758,8 +839,8 @@ class _PushSender:
         self._poller.unregister(held.sock)
         self._done(endpoint, len(held.items))
         if exc is not None:
-            for _, bootstrap_info, _, on_failure in held.items:
-                self._failed(bootstrap_info, on_failure, exc)
+            for _, target, _, on_failure in held.items:
+                self._failed(target, on_failure, exc)
         elif held.items:
             logger.info(
                 f"Dropped {len(held.items)} control message(s) for prefill rank "
@@ -776,17 +857,286 @@ class _PushSender:
             self._queued_total -= n
 
     @staticmethod
-    def _failed(bootstrap_info, on_failure, exc: BaseException) -> None:
+    def _failed(target, on_failure, exc: BaseException) -> None:
         if on_failure is None:
-            logger.debug(
-                f"Failed to send to prefill {bootstrap_info.get('rank_ip')}:"
-                f"{bootstrap_info.get('rank_port')}: {exc!r}"
-            )
+            if isinstance(target, dict):
+                target = f"prefill {target.get('rank_ip')}:{target.get('rank_port')}"
+            logger.debug(f"Failed to send to {target}: {exc!r}")
             return
         try:
             on_failure(exc)
         except Exception:
             logger.exception("Failed to handle a failed send to a prefill rank")
+
+
+class _TransferLane:
+    """The chunks for one decode destination, in order, and the one thread
+    that sends them: the backend's transfer_worker runs with this object as
+    its queue. get() also keeps the lane's books: the chunk it hands out is
+    the one being sent until the worker asks for the next."""
+
+    def __init__(self, lanes: "_TransferLanes", key: tuple):
+        self._lanes = lanes
+        self.key = key
+        self.chunks: Deque = deque()
+        self.cond = threading.Condition(lanes._lock)
+        # The chunk being sent and since when; the rooms the watchdog failed
+        # while it was.
+        self.running = None
+        self.running_since = 0.0
+        self.reported: Set[int] = set()
+        # False until its first chunk's first contact is over: until then the
+        # handshake bound applies.
+        self.contacted = False
+
+    def put(self, chunk) -> None:
+        # transfer_worker puts a chunk it defers back on its own queue.
+        with self._lanes._lock:
+            self.chunks.append(chunk)
+            self.cond.notify()
+
+    def get(self):
+        lanes = self._lanes
+        with lanes._lock:
+            self.running = None
+            while not self.chunks:
+                if lanes._stopped or not self.cond.wait(lanes.idle_s):
+                    if not self.chunks:
+                        lanes._end(self)
+                        return None
+            chunk = self.running = self.chunks.popleft()
+            self.running_since = time.monotonic()
+            self.reported = set()
+            first = not self.contacted
+            lanes._watch.notify()
+        if first:
+            # On this lane's own thread: a decode that does not answer holds
+            # only this lane, for the handshake bound.
+            lanes.first_contact(self.key)
+            with lanes._lock:
+                self.contacted = True
+                self.running_since = time.monotonic()
+        return chunk
+
+
+class _TransferLanes:
+    """The prefill's KV transfers, a lane per decode destination.
+
+    0.5.23 sends on SGLANG_DISAGGREGATION_QUEUE_SIZE queues, a room's queue
+    given by its destination ports, each with one thread that sends a chunk
+    to the end before the next: a decode that stopped answering held its
+    queue, and every decode hashed with it, for the transport's timeout (30 s
+    for Mooncake; NIXL had none). Here each destination (the decode ranks a
+    room goes to) has a queue and a thread of its own, started at its first
+    chunk and ended when idle, so a stuck decode holds only its own lane. A
+    watchdog fails the rooms of a lane whose chunk has not ended within the
+    bound: ``on_stuck(key, rooms, reason, first)``, first when the lane has
+    just become stuck, later for the rooms queued behind since. The lane's
+    thread stays in the transport until the transport gives up.
+
+    ``run_worker(lane, executor)`` runs the backend's transfer_worker with the
+    lane as its queue, until lane.get() returns None. ``first_contact(key)``
+    runs on the lane's thread before its first chunk.
+    """
+
+    SHARED = "shared"
+
+    def __init__(
+        self,
+        name: str,
+        run_worker: Callable,
+        on_stuck: Callable[[tuple, List[int], str, bool], None],
+        first_contact: Callable[[tuple], None] = lambda key: None,
+        executor_workers: int = 1,
+        max_lanes: Optional[int] = None,
+        idle_s: float = TRANSFER_LANE_IDLE_S,
+        transfer_timeout_s: Optional[float] = None,
+        handshake_timeout_s: Optional[float] = None,
+    ):
+        self.name = name
+        self._run_worker = run_worker
+        self._on_stuck = on_stuck
+        self.first_contact = first_contact
+        self._executor_workers = max(1, executor_workers)
+        if max_lanes is None:
+            max_lanes = int(SGLANG_DISAGGREGATION_MAX_TRANSFER_LANES.get())
+        self.max_lanes = max_lanes
+        self.idle_s = idle_s
+        if transfer_timeout_s is None:
+            transfer_timeout_s = SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT.get()
+        self.transfer_timeout_s = transfer_timeout_s
+        if handshake_timeout_s is None:
+            handshake_timeout_s = SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT.get()
+        self.handshake_timeout_s = handshake_timeout_s
+        self._lock = threading.Lock()
+        self._watch = threading.Condition(self._lock)
+        self._stopped = False
+        self._lanes: Dict[tuple, _TransferLane] = {}
+        self._threads: Set[threading.Thread] = set()
+        self._watchdog = threading.Thread(
+            target=self._watch_lanes, name=f"{name}-watchdog", daemon=True
+        )
+        self._watchdog.start()
+
+    def put(self, key: tuple, chunk) -> None:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{self.name} is shut down")
+            lane = self._lanes.get(key)
+            if lane is None and len(self._lanes) >= self.max_lanes:
+                key = (self.SHARED, hash(key) % TRANSFER_LANES_SHARED)
+                lane = self._lanes.get(key)
+            new = lane is None
+            if new:
+                lane = self._lanes[key] = _TransferLane(self, key)
+            lane.chunks.append(chunk)
+            lane.cond.notify()
+        if new:
+            self._start(lane)
+
+    def _start(self, lane: _TransferLane) -> None:
+        thread = threading.Thread(
+            target=self._run_lane,
+            args=(lane,),
+            name=f"{self.name}-{self.describe(lane.key)}",
+            daemon=True,
+        )
+        with self._lock:
+            self._threads.add(thread)
+        try:
+            thread.start()
+        except RuntimeError as e:
+            with self._lock:
+                self._threads.discard(thread)
+                self._end(lane)
+                rooms = [chunk.room for chunk in lane.chunks]
+            self._on_stuck(
+                lane.key,
+                rooms,
+                f"Could not start a transfer thread for decode "
+                f"{self.describe(lane.key)}: {e}",
+                True,
+            )
+
+    def _run_lane(self, lane: _TransferLane) -> None:
+        executor = concurrent.futures.ThreadPoolExecutor(
+            self._executor_workers, thread_name_prefix=f"{self.name}-layers"
+        )
+        try:
+            while True:
+                try:
+                    self._run_worker(lane, executor)
+                    return
+                except Exception as e:
+                    # 0.5.23's worker dies on an error it did not expect, and
+                    # its queue with it. A lane fails that room and goes on.
+                    with self._lock:
+                        chunk, lane.running = lane.running, None
+                    logger.exception(
+                        f"KV transfer to decode {self.describe(lane.key)} failed"
+                    )
+                    if chunk is not None:
+                        self._on_stuck(
+                            lane.key,
+                            [chunk.room],
+                            f"KV transfer to decode {self.describe(lane.key)} "
+                            f"failed: {e}",
+                            True,
+                        )
+        finally:
+            executor.shutdown(wait=False)
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _end(self, lane: _TransferLane) -> None:
+        """Caller holds _lock; the lane's thread is about to return."""
+        if self._lanes.get(lane.key) is lane:
+            del self._lanes[lane.key]
+
+    @staticmethod
+    def describe(key: tuple) -> str:
+        return ",".join(map(str, key))
+
+    def is_shared(self, key: tuple) -> bool:
+        return bool(key) and key[0] == self.SHARED
+
+    def _watch_lanes(self) -> None:
+        with self._lock:
+            while not self._stopped:
+                due, stuck = self._overdue(time.monotonic())
+                if stuck:
+                    self._lock.release()
+                    try:
+                        for report in stuck:
+                            try:
+                                self._on_stuck(*report)
+                            except Exception:
+                                logger.exception(
+                                    "Failed to fail a stuck transfer lane's rooms"
+                                )
+                    finally:
+                        self._lock.acquire()
+                self._watch.wait(due)
+
+    def _overdue(self, now: float) -> Tuple[Optional[float], list]:
+        """Caller holds _lock. The rooms of lanes past their bound not failed
+        yet, and how long until the watchdog should look again."""
+        due = None
+        stuck = []
+        for lane in self._lanes.values():
+            if lane.running is None:
+                continue
+            bound = (
+                self.transfer_timeout_s if lane.contacted else self.handshake_timeout_s
+            )
+            waited = now - lane.running_since
+            if waited < bound:
+                due = bound - waited if due is None else min(due, bound - waited)
+                continue
+            # Stuck: fail its rooms, and those queued behind it since.
+            due = 1.0 if due is None else min(due, 1.0)
+            first = not lane.reported
+            rooms = [lane.running.room] + [chunk.room for chunk in lane.chunks]
+            rooms = [room for room in dict.fromkeys(rooms) if room not in lane.reported]
+            if not rooms:
+                continue
+            lane.reported.update(rooms)
+            knob, what = (
+                ("KV_TRANSFER", "taken a KV chunk")
+                if lane.contacted
+                else ("DECODE_HANDSHAKE", "answered the first contact")
+            )
+            stuck.append(
+                (
+                    lane.key,
+                    rooms,
+                    f"Decode {self.describe(lane.key)} has not {what} for "
+                    f"{waited:.0f}s (SGLANG_DISAGGREGATION_{knob}_TIMEOUT)",
+                    first,
+                )
+            )
+        return due, stuck
+
+    def lane_count(self) -> int:
+        return len(self._lanes)
+
+    def thread_count(self) -> int:
+        return len(self._threads)
+
+    def shutdown(self, timeout_s: float = 3.0) -> None:
+        """Take no more chunks; each lane sends what it holds and ends. A
+        thread still in a transport call after ``timeout_s`` is left behind
+        (daemon)."""
+        with self._lock:
+            self._stopped = True
+            for lane in self._lanes.values():
+                lane.cond.notify_all()
+            self._watch.notify_all()
+            threads = list(self._threads)
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._watchdog.join(max(0.0, deadline - time.monotonic()))
 
 
 class _OrphanedRooms:
@@ -1094,6 +1444,14 @@ class CommonKVManager(BaseKVManager):
     defer_decode_allocation: bool = False
     deferred_bootstrap: Optional[DeferredBootstrap] = None
     _staging_ctx = None
+    # Prefill side: the thread that sends to decodes and the per-decode
+    # transfer lanes (None on a manager built without __init__, which sends
+    # inline as 0.5.23 did).
+    _status_sender: Optional[_PushSender] = None
+    _transfer_lanes: Optional[_TransferLanes] = None
+    # Messages to decodes dropped since the last log line about them.
+    _status_drops: int = 0
+    _status_drop_logged_at: float = float("-inf")
 
     # Wire layout of the prefill->decode terminal status message. The legacy
     # layout (mooncake, and ascend which inherits it) is three untagged frames
@@ -1274,6 +1632,11 @@ class CommonKVManager(BaseKVManager):
             # fail to receive the KV indices from the decode instance of this request.
             # These timeout requests should be aborted to release the tree cache.
             self.bootstrap_timeout = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+            self._status_sender = _PushSender(
+                name="pd-prefill-zmq-sender",
+                connect=lambda target: self._connect(*target),
+                send_timeout_s=SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT.get(),
+            )
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             self.enable_staging: bool = False
             self._staging_handler = None
@@ -2841,6 +3204,16 @@ class CommonKVManager(BaseKVManager):
         is_ipv6: bool = False,
         block: bool = True,
     ):
+        if self._status_sender is not None:
+            # The sender thread is the only user of these sockets, and it
+            # never waits on a decode: neither does the caller.
+            self._status_sender.post_to(
+                endpoint,
+                (endpoint, is_ipv6),
+                parts,
+                lambda exc: self._status_send_failed(endpoint, exc),
+            )
+            return
         # Cached sockets are shared across sender threads and zmq sockets are
         # not thread-safe; serialize sends per endpoint.
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
@@ -2857,6 +3230,74 @@ class CommonKVManager(BaseKVManager):
             sock.send_multipart(parts, flags=zmq.DONTWAIT)
         finally:
             lock.release()
+
+    def _status_send_failed(self, endpoint: str, exc: BaseException) -> None:
+        """A message to a decode was dropped (on the sender thread). The
+        decode ends the rooms it was for by its own timeout. Logged at most
+        once per BAD_DECODE_MSG_LOG_INTERVAL_S, with a count."""
+        self._status_drops += 1
+        now = time.monotonic()
+        if now - self._status_drop_logged_at < self.BAD_DECODE_MSG_LOG_INTERVAL_S:
+            return
+        self._status_drop_logged_at = now
+        stuck = isinstance(exc, zmq.Again)
+        logger.warning(
+            f"Dropped {self._status_drops} message(s) to decodes since the last "
+            f"such line, the last to {endpoint}: "
+            + (
+                f"its socket took none for "
+                f"{SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT.get():.0f}s "
+                f"(SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT), so that decode "
+                f"does not read; it ends those requests by its own timeout."
+                if stuck
+                else repr(exc)
+            )
+        )
+        self._status_drops = 0
+
+    def _put_on_transfer_lane(self, destinations, chunk) -> bool:
+        """Put a room's chunk on the lane of its decode destinations; False
+        when it takes 0.5.23's queues: no lanes (staging), or a DCP relayout,
+        whose pack buffers are per queue worker."""
+        if self._transfer_lanes is None or any(
+            getattr(self.decode_kv_args_table.get(d), "requires_dcp_relayout", False)
+            for d in destinations
+        ):
+            return False
+        self._transfer_lanes.put(tuple(sorted(destinations)), chunk)
+        return True
+
+    def fail_active_rooms(self, rooms: List[int], reason: str) -> List[int]:
+        """Fail those of ``rooms`` that have not ended, with ``reason``."""
+        failed = [
+            room
+            for room in rooms
+            if self.request_status.get(room, KVPoll.Failed)
+            not in (KVPoll.Failed, KVPoll.Success)
+        ]
+        for room in failed:
+            self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+        return failed
+
+    def _fail_stuck_transfers(
+        self, destination: tuple, rooms: List[int], reason: str, first: bool
+    ) -> None:
+        """A decode's transfer lane is stuck (_TransferLanes): fail its rooms.
+        Logged as an error when it has just become stuck."""
+        failed = self.fail_active_rooms(rooms, reason)
+        if failed:
+            (logger.error if first else logger.debug)(
+                f"{reason}: failed {len(failed)} request(s) to it (rooms "
+                f"{failed[:8]}{' ...' if len(failed) > 8 else ''})."
+            )
+
+    def _stop_prefill_threads(self) -> None:
+        """Teardown: the transfer lanes first (they post status), then the
+        sender, so that no thread uses a socket the caller then closes."""
+        if self._transfer_lanes is not None:
+            self._transfer_lanes.shutdown()
+        if self._status_sender is not None:
+            self._status_sender.stop()
 
     def get_mha_kv_ptrs_with_pp(
         self, src_kv_ptrs: List[int], dst_kv_ptrs: List[int]

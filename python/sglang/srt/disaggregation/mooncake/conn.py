@@ -24,6 +24,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    _TransferLanes,
 )
 from sglang.srt.disaggregation.common.staging_handler import (
     STAGING_WATERMARK_WAIT_S,
@@ -371,6 +372,23 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 )
                 t.start()
                 self._worker_threads.append(t)
+            if not self.enable_staging:
+                # Staging and DCP-relayout transfers keep the queues above:
+                # their buffers are per worker.
+                self._transfer_lanes = _TransferLanes(
+                    "pd-mooncake-transfer",
+                    run_worker=self.transfer_worker,
+                    on_stuck=self._fail_stuck_transfers,
+                    first_contact=self._probe_before_first_transfer,
+                    executor_workers=transfer_thread_pool_size // transfer_queue_size,
+                )
+                logger.info(
+                    "Mooncake KV transfers to each decode run on a lane of their "
+                    f"own (up to {self._transfer_lanes.max_lanes} at once, a "
+                    "thread each); SGLANG_DISAGGREGATION_QUEUE_SIZE="
+                    f"{transfer_queue_size} queues are kept for DCP-relayout "
+                    "transfers."
+                )
             if self.enable_failed_session_probe:
                 self._failed_session_probe_shutdown = threading.Event()
                 t = threading.Thread(
@@ -446,6 +464,7 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         """
         self._stopped = True
         self._stop_bootstrap_fetches()
+        self._stop_prefill_threads()
 
         # Stop the failed-session probe loop (PREFILL role) if running.
         probe_shutdown = getattr(self, "_failed_session_probe_shutdown", None)
@@ -3095,20 +3114,60 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         if trace_ctx is None:
             trace_ctx = TraceNullContext()
 
-        self.transfer_queues[shard_idx].put(
-            TransferKVChunk(
-                room=bootstrap_room,
-                prefill_kv_indices=kv_indices,
-                index_slice=index_slice,
-                is_last_chunk=is_last_chunk,
-                prefill_aux_index=aux_index,
-                state_indices=state_indices,
-                num_kv_tokens=num_kv_tokens,
-                trace_ctx=trace_ctx,
-                wait_event=wait_event,
-                indices_event=indices_event,
-            )
+        chunk = TransferKVChunk(
+            room=bootstrap_room,
+            prefill_kv_indices=kv_indices,
+            index_slice=index_slice,
+            is_last_chunk=is_last_chunk,
+            prefill_aux_index=aux_index,
+            state_indices=state_indices,
+            num_kv_tokens=num_kv_tokens,
+            trace_ctx=trace_ctx,
+            wait_event=wait_event,
+            indices_event=indices_event,
         )
+        if not self._put_on_transfer_lane(dst_infos, chunk):
+            self.transfer_queues[shard_idx].put(chunk)
+
+    def _probe_before_first_transfer(self, sessions: tuple) -> None:
+        """On a lane's thread, before its first chunk: probe its decode
+        sessions. The engine opens a peer's segment under a lock that every
+        transfer takes, and a peer that accepts the connection but does not
+        answer holds it for about 60 s; the probe takes no such lock, so a
+        decode that does not answer holds only its own lane."""
+        if self._transfer_lanes.is_shared(sessions):
+            return
+        for session_id in sessions:
+            with self.session_lock:
+                if session_id in self.failed_sessions:
+                    continue  # transfer_worker fails its rooms at once
+            try:
+                rc = self.engine.send_probe(session_id)
+            except Exception as e:
+                # No probe in this engine: open the segment as 0.5.23 does.
+                logger.debug(f"send_probe({session_id}) raised: {e}")
+                continue
+            if rc == 0:
+                continue
+            with self.session_lock:
+                self.session_failures[session_id] += 1
+                self.failed_sessions.add(session_id)
+            logger.error(
+                f"Decode session {session_id} did not answer a probe before its "
+                f"first transfer (rc={rc}); its transfers fail until it does."
+            )
+
+    def _fail_stuck_transfers(
+        self, sessions: tuple, rooms: List[int], reason: str, first: bool
+    ) -> None:
+        """Also mark its sessions failed, so that its next rooms fail at once
+        until the failed-session probe or a re-registration lifts it."""
+        if not self._transfer_lanes.is_shared(sessions):
+            with self.session_lock:
+                for session_id in sessions:
+                    self.session_failures[session_id] += 1
+                    self.failed_sessions.add(session_id)
+        super()._fail_stuck_transfers(sessions, rooms, reason, first)
 
     def get_session_id(self):
         return self.engine.get_session_id()

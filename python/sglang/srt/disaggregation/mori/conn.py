@@ -30,12 +30,14 @@ from mori.io import (
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
+    SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT,
     AbortNotification,
     AckTarget,
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    _TransferLanes,
 )
 from sglang.srt.disaggregation.common.utils import (
     AuxDataCodec,
@@ -369,6 +371,14 @@ class _SubmissionLocal(threading.local):
     statuses: Optional[List[TransferStatus]] = None
 
 
+def _mori_transfer_timeout_ms() -> int:
+    """SGLANG_MORI_TRANSFER_TIMEOUT_MS, or, at its default 0, which left the
+    wait on a decode unbounded, SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT."""
+    return envs.SGLANG_MORI_TRANSFER_TIMEOUT_MS.get() or int(
+        SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT.get() * 1000
+    )
+
+
 class MoriKVManager(CommonKVManager):
     AUX_DATA_HEADER = b"AUX_DATA"
     # Implements teardown() below, so runtime PD role switching is supported.
@@ -409,12 +419,14 @@ class MoriKVManager(CommonKVManager):
                 FastQueue() for _ in range(self._num_shards)
             ]
             self._wait_poll_ms = envs.SGLANG_MORI_WAIT_POLL_MS.get()
-            self._transfer_timeout_ms = envs.SGLANG_MORI_TRANSFER_TIMEOUT_MS.get()
+            self._transfer_timeout_ms = _mori_transfer_timeout_ms()
             self._abort_ack_lock = threading.Lock()
             if self.enable_deferred_decode_kv_release:
+                # Unbounded: a put never waits, so chunks that a stuck decode
+                # leaves writing hold its drainers, not the transfer lanes.
                 self._drain_queue: Queue[
                     Optional[Tuple[TransferKVChunk, List[TransferStatus]]]
-                ] = Queue(maxsize=self._num_shards)
+                ] = Queue()
             for shard, queue in enumerate(self._transfer_queues):
                 # Track the thread so teardown() can join it: otherwise every
                 # P->D->P flip that re-enters PREFILL leaks _num_shards threads
@@ -441,6 +453,13 @@ class MoriKVManager(CommonKVManager):
                     )
                     t.start()
                     self._worker_threads.append(t)
+            # Shards go by room, so a stuck decode's rooms held every shard;
+            # its rooms now go to a transfer lane of its own.
+            self._transfer_lanes = _TransferLanes(
+                "pd-mori-transfer",
+                run_worker=lambda lane, executor: self._transfer_worker(lane),
+                on_stuck=self._fail_stuck_transfers,
+            )
             self._start_bootstrap_thread()
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             self._worker_threads.append(self._start_decode_listener_thread())
@@ -821,18 +840,18 @@ class MoriKVManager(CommonKVManager):
             return
 
         shard_idx = bootstrap_room % self._num_shards
-        self._transfer_queues[shard_idx].put(
-            TransferKVChunk(
-                room=bootstrap_room,
-                prefill_kv_indices=kv_indices,
-                index_slice=index_slice,
-                is_last_chunk=is_last_chunk,
-                prefill_aux_index=aux_index,
-                state_indices=state_indices,
-                num_kv_tokens=num_kv_tokens,
-                wait_event=wait_event,
-            )
+        chunk = TransferKVChunk(
+            room=bootstrap_room,
+            prefill_kv_indices=kv_indices,
+            index_slice=index_slice,
+            is_last_chunk=is_last_chunk,
+            prefill_aux_index=aux_index,
+            state_indices=state_indices,
+            num_kv_tokens=num_kv_tokens,
+            wait_event=wait_event,
         )
+        if not self._put_on_transfer_lane(self.transfer_infos[bootstrap_room], chunk):
+            self._transfer_queues[shard_idx].put(chunk)
 
     def _connect_threadsafe(self, endpoint: str, is_ipv6: bool = False):
         """Thread-local ZMQ socket cache with shared Context.
@@ -1021,6 +1040,7 @@ class MoriKVManager(CommonKVManager):
         """
         self._stopped = True
         self._stop_bootstrap_fetches()
+        self._stop_prefill_threads()
         # Transfer workers (PREFILL role) park in FastQueue.get(), which has no
         # timeout; push a None sentinel per shard to wake and stop them so the
         # join below returns instead of leaking the thread.

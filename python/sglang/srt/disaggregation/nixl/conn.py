@@ -22,11 +22,13 @@ if TYPE_CHECKING:
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, StateType
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
+    SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT,
     AbortNotification,
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    _TransferLanes,
 )
 from sglang.srt.disaggregation.common.staging_handler import (
     STAGING_WATERMARK_WAIT_S,
@@ -188,6 +190,9 @@ class _NixlPostError(RuntimeError):
 # This worker serves other rooms, so bound that wait.
 NIXL_ERR_SETTLE_TIMEOUT_S = 5.0
 NIXL_ERR_SETTLE_POLL_S = 0.001
+# A healthy batch is polled with pauses that double up to this, so that a wait
+# on a decode that stopped answering does not spin a core.
+NIXL_POLL_MAX_S = 0.002
 
 
 def _resolve_ucx_device_list(ib_device: str, gpu_id: int) -> Optional[str]:
@@ -736,6 +741,20 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                     args=(queue, staging_buffer, i),
                     daemon=True,
                 ).start()
+            if not self.enable_staging:
+                # DCP-relayout transfers keep the queues above: their buffers
+                # are per worker.
+                self._transfer_lanes = _TransferLanes(
+                    "pd-nixl-transfer",
+                    run_worker=lambda lane, executor: self.transfer_worker(lane),
+                    on_stuck=self._fail_stuck_transfers,
+                )
+                logger.info(
+                    "NIXL KV transfers to each decode run on a lane of their own "
+                    f"(up to {self._transfer_lanes.max_lanes} at once, a thread "
+                    f"each); SGLANG_DISAGGREGATION_QUEUE_SIZE={transfer_queue_size} "
+                    "queues are kept for DCP-relayout transfers."
+                )
             self._start_bootstrap_thread()
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             if self.enable_staging:
@@ -1143,13 +1162,17 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
     ) -> Tuple[bool, bool]:
         """Poll until every handle settled. Returns ``(settled, any_failed)``.
 
-        The wait is unbounded while every handle is still healthy, and bounded
-        to NIXL_ERR_SETTLE_TIMEOUT_S from the moment the batch is known broken.
+        The wait is bounded to SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT while
+        every handle is still healthy (a decode that stopped answering over TCP
+        leaves its handles running for as long as it does), and to
+        NIXL_ERR_SETTLE_TIMEOUT_S from the moment the batch is known broken.
         ``failure_seen`` arms that deadline up front, for a batch that raised
         before the barrier ran. A state that cannot be read counts as running,
         since it does not prove the write into the decode's pages is over.
         """
         deadline = time.time() + NIXL_ERR_SETTLE_TIMEOUT_S if failure_seen else None
+        give_up = time.monotonic() + SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT.get()
+        pause = 0.0
         while True:
             all_settled = True
             any_failed = failure_seen
@@ -1166,7 +1189,10 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             if all_settled:
                 return True, any_failed
             if not any_failed:
-                time.sleep(0)
+                if time.monotonic() >= give_up:
+                    return False, True
+                time.sleep(pause)
+                pause = min(NIXL_POLL_MAX_S, max(2 * pause, 1e-5))
                 continue
             # This room is already lost, so trade its notification for the
             # worker's other rooms: back off, and give up waiting for the
@@ -1652,6 +1678,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
 
         while True:
             kv_chunk: TransferKVChunk = queue.get()
+            if kv_chunk is None:
+                break  # its transfer lane ended
             room = kv_chunk.room
             handles: List[Any] = []
             settle_timed_out = False
@@ -1925,7 +1953,10 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                 if not settled:
                     settle_timed_out = True
                     raise RuntimeError(
-                        f"NIXL transfer for room {room} left a handle running "
+                        f"NIXL transfer for room {room} to decode "
+                        f"{','.join(room_transfer_infos)} left a handle running "
+                        f"{SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT.get():.0f}s "
+                        "(SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT), or "
                         f"{NIXL_ERR_SETTLE_TIMEOUT_S}s after a peer handle failed"
                     )
                 if any_failed:
@@ -3337,17 +3368,17 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             info.dst_port for info in self.transfer_infos[bootstrap_room].values()
         )
         shard_idx = session_port_sum % len(self.transfer_queues)
-        self.transfer_queues[shard_idx].put(
-            TransferKVChunk(
-                room=bootstrap_room,
-                prefill_kv_indices=kv_indices,
-                index_slice=index_slice,
-                is_last_chunk=is_last_chunk,
-                prefill_aux_index=aux_index,
-                state_indices=state_indices,
-                num_kv_tokens=num_kv_tokens,
-            )
+        chunk = TransferKVChunk(
+            room=bootstrap_room,
+            prefill_kv_indices=kv_indices,
+            index_slice=index_slice,
+            is_last_chunk=is_last_chunk,
+            prefill_aux_index=aux_index,
+            state_indices=state_indices,
+            num_kv_tokens=num_kv_tokens,
         )
+        if not self._put_on_transfer_lane(self.transfer_infos[bootstrap_room], chunk):
+            self.transfer_queues[shard_idx].put(chunk)
         return None
 
     def _handle_abort_notification(self, msg: List[bytes]) -> bool:
