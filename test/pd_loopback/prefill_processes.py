@@ -135,6 +135,8 @@ class PrefillProcess:
         self._send_lock = threading.Lock()
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._pending[0] = self._ready
+        # Called with every message of id 0 after the first (mirror.py's events).
+        self.on_event: Optional[Callable[[dict], None]] = None
 
     @property
     def addr(self) -> str:
@@ -144,12 +146,9 @@ class PrefillProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def start(self) -> "PrefillProcess":
-        from multiprocessing.connection import Connection
-
-        parent_sock, child_sock = socket.socketpair()
-        env = pd_setup.apply_loopback_env(dict(os.environ))
-        cmd = [
+    def command(self) -> List[str]:
+        """The child's command line, less ``--ctl-fd``."""
+        return [
             sys.executable,
             "-W",
             "ignore",
@@ -162,11 +161,16 @@ class PrefillProcess:
             str(self.port),
             "--bootstrap-port",
             str(self.bootstrap_port),
-            "--ctl-fd",
-            str(child_sock.fileno()),
             "--allocation-policy",
             self.allocation_policy,
         ]
+
+    def start(self, env: Optional[dict] = None) -> "PrefillProcess":
+        from multiprocessing.connection import Connection
+
+        parent_sock, child_sock = socket.socketpair()
+        env = pd_setup.apply_loopback_env(dict(os.environ, **(env or {})))
+        cmd = self.command() + ["--ctl-fd", str(child_sock.fileno())]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -198,6 +202,8 @@ class PrefillProcess:
                 fut = self._pending.pop(msg.get("id"), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+            elif fut is None and msg.get("id") == 0 and self.on_event is not None:
+                self.on_event(msg)
         with self._pending_lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():

@@ -142,6 +142,9 @@ class Worker:
         with self.reply_lock:
             self.conn.send(msg)
 
+    def event(self, kind: str, **fields) -> None:
+        """A point of a send's timeline; mirror_prefill.py reports them."""
+
     def setup(self) -> None:
         a = self.args
         self.server_args = pd_setup.make_server_args(
@@ -236,6 +239,7 @@ class Worker:
                 sender.abort()
                 return {"status": "Timeout", "error": "decode never bootstrapped"}
             return {"status": "Failed", "error": failure()}
+        self.event("waiting", room=room)
         if not deferred:
             # The decode has sent its metadata; this stands for the forward pass.
             time.sleep(float(msg.get("hold_s", 0.0)))
@@ -254,6 +258,7 @@ class Worker:
                 token_indices.to(torch.int32), pd_setup.PAGE_SIZE
             )
             sender.init(len(page_indices), aux_index)
+            self.event("sent", room=room, t_send=time.monotonic())
             sender.send(page_indices, None, num_kv_tokens=num_tokens)
             state = wait_for((KVPoll.Success, KVPoll.Failed))
         finally:

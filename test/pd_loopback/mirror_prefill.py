@@ -1,0 +1,105 @@
+"""The prefill process of the mirror cluster (mirror.py): prefill_worker.Worker
+(a real bootstrap server and a real PREFILL-mode KV manager) that also reports
+each send's timeline and the manager's state.
+
+Started by ``mirror.MirrorCluster``; not a test module. Events (id 0) to the
+driver, in ``time.monotonic()`` (system-wide on Linux): ``waiting`` (the
+decode's metadata arrived), ``sent`` (``sender.send()`` called). The reply to a
+``send`` command comes when its room ended. ``state`` returns the manager's
+queues, transfer lanes, threads and the free KV and metadata slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pd_setup  # noqa: E402
+import prefill_worker  # noqa: E402
+
+
+class MirrorPrefill(prefill_worker.Worker):
+    def event(self, kind: str, **fields) -> None:
+        self.reply(dict(fields, id=0, event=kind))
+
+    def cmd_state(self, msg: dict) -> dict:
+        mgr = self.manager
+        lanes = getattr(mgr, "_transfer_lanes", None)
+        queues = getattr(mgr, "transfer_queues", [])
+        out = {
+            "ok": True,
+            "queues": len(queues),
+            "queue_depths": [len(getattr(q, "_buf", ())) for q in queues],
+            "lanes": lanes.lane_count() if lanes is not None else None,
+            "lane_threads": lanes.thread_count() if lanes is not None else None,
+            "threads": threading.active_count(),
+            "transfer_infos": len(mgr.transfer_infos),
+            "request_status": len(mgr.request_status),
+            "kv_free_tokens": self.allocator.available_size(),
+            "metadata_free": self.metadata_allocator.available_size(),
+        }
+        if self.args.backend == "mooncake":
+            with mgr.session_lock:
+                out["failed_sessions"] = sorted(mgr.failed_sessions)
+        return out
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            cmd = msg.get("cmd")
+            if cmd == "send":
+                self.cmd_send(msg)
+                continue
+            try:
+                if cmd == "state":
+                    out = self.cmd_state(msg)
+                elif cmd == "ping":
+                    out = {"ok": True}
+                else:
+                    out = {"ok": False, "error": f"unknown command {cmd!r}"}
+            except Exception:
+                out = {"ok": False, "error": traceback.format_exc()}
+            out["id"] = msg["id"]
+            self.reply(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", required=True, choices=["mooncake", "nixl"])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--bootstrap-port", type=int, required=True)
+    parser.add_argument("--ctl-fd", type=int, required=True)
+    parser.add_argument("--pool-tokens", type=int, default=pd_setup.POOL_TOKENS)
+    args = parser.parse_args()
+    args.allocation_policy = "early"
+
+    prefill_worker._die_with_parent()
+    pd_setup.apply_loopback_env()
+    pd_setup.POOL_TOKENS = args.pool_tokens
+    from multiprocessing.connection import Connection
+
+    conn = Connection(args.ctl_fd)
+    worker = MirrorPrefill(args, conn)
+    try:
+        worker.setup()
+    except BaseException:
+        conn.send({"id": 0, "event": "error", "error": traceback.format_exc()})
+        return 1
+    worker.reply({"id": 0, "event": "ready", "pid": os.getpid()})
+    worker.serve()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The fault matrix's sick-decode rows (12-14) on real PD over loopback,
+Mooncake: on the prefill, a decode that is frozen, frozen before the prefill
+ever sent to it, or not reading its control socket delays no healthy decode's
+transfer, and its own rooms end, failed with an error naming it, within the
+bound.
+
+One prefill and four decodes (mirror.py), every decode's rooms on the one
+0.5.23 queue (SGLANG_DISAGGREGATION_QUEUE_SIZE=1), so that without per-decode
+lanes the healthy decode waits 30-60 s. The bounds are shortened to keep the
+rows short. ``python3 dev.py faults`` runs these rows against stock too, and
+bench P16 (``python3 dev.py bench --only mirror``) with the default bounds and
+NIXL.
+
+Run: PYTHONPATH=<sglang variant dir>:<repo> python3 test/pd_loopback/test_mirror.py
+"""
+
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mirror  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+from sglang.test.test_utils import CustomTestCase  # noqa: E402
+
+register_cpu_ci(est_time=90, suite="pd-loopback-cpu")
+
+TRANSFER_TIMEOUT_S = 3
+HANDSHAKE_TIMEOUT_S = 2
+ENV = {
+    "SGLANG_DISAGGREGATION_QUEUE_SIZE": "1",
+    "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT": str(TRANSFER_TIMEOUT_S),
+    "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT": str(HANDSHAKE_TIMEOUT_S),
+}
+WINDOW_S = 6.0
+# A healthy transfer takes milliseconds here; one behind a stuck decode 30-60 s.
+HEALTHY_BOUND_S = 1.0
+# A sick room ends within its bound, plus the prefill's hold (1 s) and slack
+# for this 2-core machine.
+SLACK_S = 4.0
+
+
+class TestMirrorMooncake(CustomTestCase):
+    BACKEND = "mooncake"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = mirror.MirrorCluster(
+            cls.BACKEND, {"B": None, "A1": None, "A2": None, "A3": None}, env=ENV
+        ).__enter__()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.__exit__(None, None, None)
+
+    def run_row(self, fault: str, sick: str) -> dict:
+        r = mirror.run_fault(self.cluster, fault, sick, "B", WINDOW_S)
+        self.cluster.decodes[sick].kill()
+        during = r["during"]
+        self.assertTrue(during)
+        for d in during:
+            self.assertEqual(d["state"], "success", d)
+            self.assertTrue(d["kv_ok"], d)
+            self.assertLess(d["latency"], HEALTHY_BOUND_S, d)
+        return r
+
+    def assert_failed_naming_it(self, r: dict, sick: str, knob: str, bound_s: float):
+        session = self.cluster.decodes[sick].ready_info()["session_id"]
+        for room in r["sick"]:
+            self.assertEqual(room["pstatus"], "Failed", room)
+            self.assertIn(session, room["perror"])
+            self.assertIn(knob, room["perror"])
+            self.assertLess(room["ended_after"], bound_s + SLACK_S, room)
+
+    def test_12_decode_frozen(self):
+        r = self.run_row("frozen", "A1")
+        self.assert_failed_naming_it(
+            r, "A1", "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT", TRANSFER_TIMEOUT_S
+        )
+
+    def test_13_decode_frozen_before_first_transfer(self):
+        r = self.run_row("frozen_first_contact", "A2")
+        self.assert_failed_naming_it(
+            r,
+            "A2",
+            "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT",
+            HANDSHAKE_TIMEOUT_S,
+        )
+
+    def test_14_decode_not_reading(self):
+        r = self.run_row("not_reading", "A3")
+        # Its transfers succeed; it only never hears so (its own timeout ends
+        # them on its side).
+        self.assertEqual([room["pstatus"] for room in r["sick"]], ["Success"] * 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
