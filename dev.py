@@ -15,7 +15,7 @@
         The chaos soak: the demo's deployment under load for M minutes (10) while
         a seeded schedule freezes, kills and restarts, and slows its prefills;
         stock, then patched with the same schedule (tools/soak_pd.py).
-    python3 dev.py bench [--quick] [--only stall|fleet|admission]
+    python3 dev.py bench [--quick] [--only stall|fleet|admission|mirror]
         The scheduler stall benchmark (P1-P8) and the fleet-scale benchmark
         (P9-P12, P15) on real PD over loopback, and the admission benchmark
         (P14: a stuck prefill, real servers), stock and patched.
@@ -627,9 +627,10 @@ def cmd_bench(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench-out")
     ap.add_argument(
         "--only",
-        choices=("stall", "fleet", "admission"),
-        help="the stall bench (P1-P8), the fleet bench (P9-P12, P15) or the "
-        "admission bench (P14, real servers) alone",
+        choices=("stall", "fleet", "admission", "mirror"),
+        help="the stall bench (P1-P8), the fleet bench (P9-P12, P15), the "
+        "admission bench (P14, real servers) or the mirror bench (P16, sick "
+        "decodes on the prefill) alone",
     )
     args, rest = ap.parse_known_args(argv)
     quick = ["--quick"] if args.quick else []
@@ -643,13 +644,17 @@ def cmd_bench(argv: list[str]) -> int:
         rc = _compare("bench_fleet.py", quick, "bench_fleet_report.py", out / "fleet")
         if rc != 0 or args.only == "fleet":
             return rc
-    return _compare(
-        "bench_admission.py",
-        quick,
-        "bench_admission_report.py",
-        out / "admission",
-        servers=True,
-    )
+    if args.only in (None, "admission"):
+        rc = _compare(
+            "bench_admission.py",
+            quick,
+            "bench_admission_report.py",
+            out / "admission",
+            servers=True,
+        )
+        if rc != 0 or args.only == "admission":
+            return rc
+    return _compare("bench_mirror.py", quick, "bench_mirror_report.py", out / "mirror")
 
 
 def cmd_faults(argv: list[str]) -> int:
@@ -673,7 +678,7 @@ USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
        python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
        python3 dev.py soak [--minutes M] [--seed S] [--both] [--backend nixl] [--out DIR]
-       python3 dev.py bench [--quick] [--only stall|fleet|admission] [--out DIR]
+       python3 dev.py bench [--quick] [--only stall|fleet|admission|mirror] [--out DIR]
        python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
 

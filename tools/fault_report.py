@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Optional
 
 CALL_BOUND_S = 0.5
 CLEAR = {
@@ -186,6 +187,83 @@ def fmt_notes(run):
     return "; ".join(notes)
 
 
+# Rows 12-14: a healthy decode's transfer takes milliseconds on loopback; one
+# behind a stuck decode 30-60 s. A sick decode's rooms end within their bound
+# plus the prefill's hold (1 s) and slack.
+MIRROR_HEALTHY_BOUND_S = 1.0
+MIRROR_SLACK_S = 4.0
+
+
+def mirror_violations(run: Optional[dict]) -> list:
+    if run is None:
+        return ["not run"]
+    if "error" in run:
+        return [run["error"]]
+    out = []
+    during = run["during"]
+    late = [d["latency"] for d in during if d["latency"] is not None]
+    if len(late) < len(during):
+        out.append(
+            f"{len(during) - len(late)} of the healthy decode's rooms not served"
+        )
+    if late and max(late) >= MIRROR_HEALTHY_BOUND_S:
+        out.append(f"the healthy decode's transfer took {max(late):.1f} s")
+    if run["knob"] is not None:
+        for room in run["sick"]:
+            ended = room["ended_after"]
+            if room["pstatus"] != "Failed" or ended is None:
+                out.append(f"a sick decode's room {room['pstatus'] or 'never ended'}")
+            elif ended >= run["bound_s"] + MIRROR_SLACK_S:
+                out.append(f"a sick decode's room ended after {ended:.0f} s")
+            elif run["decode"] not in (room["perror"] or ""):
+                out.append("its error does not name the decode")
+    return sorted(set(out))
+
+
+def fmt_mirror(run: Optional[dict]) -> str:
+    if run is None or "error" in run:
+        return "-"
+    summary = run["summary"]
+    ended = [r["ended_after"] for r in run["sick"]]
+    sick = ", ".join(
+        f"{r['pstatus'] or 'open'} at {'-' if e is None else f'{e:.1f} s'}"
+        for r, e in zip(run["sick"], ended)
+    )
+    return (
+        f"{1e3 * (summary['during_max'] or 0):.0f} ms max, "
+        f"{summary['during_served']} of {summary['during_sent']} served; A's: {sick}"
+    )
+
+
+def render_mirror(stock: dict, patched: dict) -> list:
+    s_runs = {r["fault"]: r for r in stock.get("mirror_runs", [])}
+    p_runs = {r["fault"]: r for r in patched.get("mirror_runs", [])}
+    if not p_runs and not s_runs:
+        return []
+    lines = [
+        "",
+        "## Sick decodes, on the prefill (rows 12-14)",
+        "",
+        "One real prefill process and four decode processes (test/pd_loopback/"
+        "mirror.py). Decode B gets a room every 0.5 s for "
+        f"6 s while sick decode A has two rooms pending; every decode's rooms on "
+        "the one 0.5.23 queue (`SGLANG_DISAGGREGATION_QUEUE_SIZE=1`); patched "
+        "bounds shortened to 3 s (KV transfer) and 2 s (first contact). Each "
+        "cell: B's transfers, and how A's rooms ended on the prefill (seconds "
+        "after the fault).",
+        "",
+        "| fault | patched | stock 0.5.23 | breaks the promise: patched \\| stock |",
+        "|---|---|---|---|",
+    ]
+    for name in list(p_runs) + [n for n in s_runs if n not in p_runs]:
+        p, s = p_runs.get(name), s_runs.get(name)
+        title = (p or s)["title"]
+        pv = "; ".join(mirror_violations(p)) or "holds"
+        sv = "; ".join(mirror_violations(s)) or "holds"
+        lines.append(f"| {title} | {fmt_mirror(p)} | {fmt_mirror(s)} | {pv} \\| {sv} |")
+    return lines
+
+
 def render(stock: dict, patched: dict) -> str:
     s_runs = {key(r): r for r in stock["runs"]}
     p_runs = {key(r): r for r in patched["runs"]}
@@ -238,6 +316,7 @@ def render(stock: dict, patched: dict) -> str:
             f"| {k[0]} | {k[1]} | {'; '.join(pv) or 'holds'} "
             f"| {'; '.join(sv) or 'holds'} |"
         )
+    lines += render_mirror(stock, patched)
     return "\n".join(lines) + "\n"
 
 

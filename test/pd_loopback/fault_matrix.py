@@ -42,6 +42,7 @@ from typing import Callable, Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
+import mirror  # noqa: E402
 
 # The loopback cases' small retry budget (2 attempts, 0.2 s apart) and fast
 # heartbeat (every 2 s, evict after 2 misses).
@@ -822,6 +823,31 @@ FAULTS: List[Fault] = [
 ]
 
 
+def run_mirror_rows(backend: str, rows: list) -> List[dict]:
+    """Rows 12-14, sick decodes on the prefill: one prefill and four decodes
+    (mirror.py), one row per sick decode, killed after its row."""
+    runs = []
+    with mirror.MirrorCluster(backend, mirror.ROW_DECODES, env=mirror.ROW_ENV) as c:
+        for name, title, fault, sick, knob, bound_s in rows:
+            print(f"[faults] {title} ...", flush=True)
+            try:
+                r = mirror.run_fault(c, fault, sick, "B", mirror.ROW_WINDOW_S)
+                r = {k: r[k] for k in ("summary", "during", "sick", "alone")}
+            except Exception as e:
+                r = {"error": f"{type(e).__name__}: {e}"}
+            r.update(
+                fault=name,
+                title=title,
+                knob=knob,
+                bound_s=bound_s,
+                decode=c.decodes[sick].ready_info()["session_id"],
+            )
+            c.decodes[sick].kill()
+            print(f"[faults]   {json.dumps(r.get('summary') or r)}", flush=True)
+            runs.append(r)
+    return runs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the runs here (JSON)")
@@ -847,7 +873,13 @@ def main(argv=None) -> int:
     variant, _ = harness.detect_variant()
     runs = []
     harness.install_signal_handlers()
-    with Matrix(args.backend, args.allocation_policy or "early") as m:
+    # Rows 12-14 alone need no decode-side cluster.
+    matrix = (
+        Matrix(args.backend, args.allocation_policy or "early")
+        if faults
+        else contextlib.nullcontext()
+    )
+    with matrix as m:
         for fault in faults:
             print(f"[faults] {variant}: {fault.title} ({fault.phase}) ...", flush=True)
             t0 = time.monotonic()
@@ -866,7 +898,18 @@ def main(argv=None) -> int:
                 + json.dumps({k: v for k, v in result.items() if k != "title"}),
                 flush=True,
             )
-    out = {"variant": variant, "backend": args.backend, "runs": runs}
+    rows = [
+        row
+        for row in mirror.ROWS
+        if (wanted is None or row[0] in wanted) and args.allocation_policy is None
+    ]
+    mirror_runs = run_mirror_rows(args.backend, rows) if rows else []
+    out = {
+        "variant": variant,
+        "backend": args.backend,
+        "runs": runs,
+        "mirror_runs": mirror_runs,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -50,6 +50,47 @@ from prefill_processes import (  # noqa: E402
 
 FAULTS = ("frozen", "frozen_first_contact", "not_reading")
 
+# The fault matrix's sick-decode rows (12-14; test_mirror.py and
+# fault_matrix.py): every decode's rooms on the one 0.5.23 queue, so that
+# without per-decode lanes the healthy one waits 30-60 s, and the patched
+# bounds shortened to keep the rows short.
+ROW_TRANSFER_TIMEOUT_S = 3
+ROW_HANDSHAKE_TIMEOUT_S = 2
+ROW_ENV = {
+    "SGLANG_DISAGGREGATION_QUEUE_SIZE": "1",
+    "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT": str(ROW_TRANSFER_TIMEOUT_S),
+    "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT": str(ROW_HANDSHAKE_TIMEOUT_S),
+}
+ROW_WINDOW_S = 6.0
+ROW_DECODES = {"B": None, "A1": None, "A2": None, "A3": None}
+# (name, title, fault, sick decode, the knob that bounds it, its bound)
+ROWS = [
+    (
+        "decode_frozen",
+        "12. decode frozen (SIGSTOP) after the first transfer to it",
+        "frozen",
+        "A1",
+        "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT",
+        ROW_TRANSFER_TIMEOUT_S,
+    ),
+    (
+        "decode_frozen_first_contact",
+        "13. decode frozen before the first transfer to it",
+        "frozen_first_contact",
+        "A2",
+        "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT",
+        ROW_HANDSHAKE_TIMEOUT_S,
+    ),
+    (
+        "decode_not_reading",
+        "14. decode not reading its control socket",
+        "not_reading",
+        "A3",
+        None,
+        None,
+    ),
+]
+
 
 class MirrorChild(PrefillProcess):
     """A mirror process (the prefill or a decode) with PrefillProcess's

@@ -14,6 +14,7 @@ recorded, except in the sender test, which uses real ZMQ sockets on 127.0.0.1.
 NIXL's wait runs on a fake clock. ``mori`` (AMD only) is stubbed at import.
 """
 
+import os
 import queue
 import threading
 import unittest
@@ -288,6 +289,27 @@ class TestTransferLanes(CustomTestCase):
         key, rooms, reason, first = self.stuck.get(timeout=_WAIT_S)
         self.assertEqual((key, rooms, first), (("a",), [1], True))
         self.assertIn("boom", reason)
+
+    def test_a_stuck_thread_gets_the_lowest_priority_and_its_lane_a_new_one(self):
+        lanes = self._lanes(transfer_timeout_s=0.0)
+        gate = threading.Event()
+        self.addCleanup(gate.set)
+        ran = queue.Queue()
+
+        def run():
+            tid = threading.get_native_id()
+            ran.put((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+            gate.wait(_WAIT_S)
+
+        lanes.put(("a",), SimpleNamespace(room=1, run=run))
+        stuck_tid, _ = ran.get(timeout=_WAIT_S)
+        self.stuck.get(timeout=_WAIT_S)  # the watchdog found it stuck
+        self.assertEqual(os.getpriority(os.PRIO_PROCESS, stuck_tid), 19)
+        gate.set()
+        lanes.put(("a",), SimpleNamespace(room=2, run=run))
+        tid, priority = ran.get(timeout=_WAIT_S)
+        self.assertNotEqual(tid, stuck_tid)
+        self.assertEqual(priority, os.getpriority(os.PRIO_PROCESS, 0))
 
     def test_overdue_reports_the_running_room_once_then_the_queued_ones(self):
         lanes = self._lanes(transfer_timeout_s=1000.0, handshake_timeout_s=1000.0)

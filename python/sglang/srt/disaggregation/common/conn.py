@@ -7,6 +7,7 @@ import dataclasses
 import http.client
 import json
 import logging
+import os
 import queue
 import socket
 import threading
@@ -888,6 +889,10 @@ class _TransferLane:
         # False until its first chunk's first contact is over: until then the
         # handshake bound applies.
         self.contacted = False
+        # Its thread's id, and whether the watchdog lowered that thread's
+        # priority (see _TransferLanes._demote).
+        self.tid: Optional[int] = None
+        self.demoted = False
 
     def put(self, chunk) -> None:
         # transfer_worker puts a chunk it defers back on its own queue.
@@ -899,6 +904,13 @@ class _TransferLane:
         lanes = self._lanes
         with lanes._lock:
             self.running = None
+            if self.demoted:
+                # Its next chunk runs on a thread of normal priority, started
+                # by the watchdog (a thread inherits its creator's priority).
+                self.demoted = False
+                lanes._restart.append(self)
+                lanes._watch.notify()
+                return None
             while not self.chunks:
                 if lanes._stopped or not self.cond.wait(lanes.idle_s):
                     if not self.chunks:
@@ -973,6 +985,8 @@ class _TransferLanes:
         self._stopped = False
         self._lanes: Dict[tuple, _TransferLane] = {}
         self._threads: Set[threading.Thread] = set()
+        # Lanes whose demoted thread ended, to go on with a new one.
+        self._restart: List[_TransferLane] = []
         self._watchdog = threading.Thread(
             target=self._watch_lanes, name=f"{name}-watchdog", daemon=True
         )
@@ -1019,6 +1033,7 @@ class _TransferLanes:
             )
 
     def _run_lane(self, lane: _TransferLane) -> None:
+        lane.tid = threading.get_native_id()
         executor = concurrent.futures.ThreadPoolExecutor(
             self._executor_workers, thread_name_prefix=f"{self.name}-layers"
         )
@@ -1064,9 +1079,12 @@ class _TransferLanes:
         with self._lock:
             while not self._stopped:
                 due, stuck = self._overdue(time.monotonic())
-                if stuck:
+                restart, self._restart = self._restart, []
+                if stuck or restart:
                     self._lock.release()
                     try:
+                        for lane in restart:
+                            self._start(lane)
                         for report in stuck:
                             try:
                                 self._on_stuck(*report)
@@ -1096,6 +1114,8 @@ class _TransferLanes:
             # Stuck: fail its rooms, and those queued behind it since.
             due = 1.0 if due is None else min(due, 1.0)
             first = not lane.reported
+            if first:
+                self._demote(lane)
             rooms = [lane.running.room] + [chunk.room for chunk in lane.chunks]
             rooms = [room for room in dict.fromkeys(rooms) if room not in lane.reported]
             if not rooms:
@@ -1116,6 +1136,21 @@ class _TransferLanes:
                 )
             )
         return due, stuck
+
+    @staticmethod
+    def _demote(lane: _TransferLane) -> None:
+        """A stuck lane's thread may be spinning in the transport (Mooncake's
+        batch_transfer_sync_write polls until MC_TRANSFER_TIMEOUT, and has no
+        non-blocking poll for a batch): give it the lowest priority, so that
+        it takes only CPU no other thread wants."""
+        if lane.tid is None:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, lane.tid, 19)
+        except (AttributeError, OSError) as e:
+            logger.debug(f"Could not lower the priority of a stuck lane: {e}")
+            return
+        lane.demoted = True
 
     def lane_count(self) -> int:
         return len(self._lanes)
