@@ -166,15 +166,17 @@ class Processes:
             pids += [p.pid for p in self.tree(name)]
         return pids
 
-    def freeze(self, pid: int) -> None:
-        self.frozen = pid
-        os.kill(pid, signal.SIGSTOP)
+    def freeze(self, pid: int, group: bool = False) -> None:
+        """SIGSTOP ``pid``, or with ``group`` its whole process group."""
+        self.frozen = (pid, group)
+        (os.killpg if group else os.kill)(pid, signal.SIGSTOP)
 
     def thaw(self) -> None:
-        pid, self.frozen = self.frozen, None
-        if pid is not None:
+        frozen, self.frozen = self.frozen, None
+        if frozen is not None:
+            pid, group = frozen
             try:
-                os.kill(pid, signal.SIGCONT)
+                (os.killpg if group else os.kill)(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
 
@@ -604,6 +606,23 @@ def decode_request_log(log_dir: Path, t0_wall: float):
     return ports, verdicts, received
 
 
+def attribute_decodes(rows: List[dict], decode_logs: Dict[str, Path], t0_wall):
+    """With two decodes: the decode the router picked for each request (the
+    first whose request log has it; a retry shows in the other's or as a
+    second entry), and how that decode ended it."""
+    logs = {name: decode_request_log(d, t0_wall) for name, d in decode_logs.items()}
+    for r in rows:
+        seen = sorted(
+            (t, name)
+            for name, (_, _, received) in logs.items()
+            for t in received.get(r["rid"], [])
+        )
+        r["server"] = seen[0][1] if seen else None
+        r["router_retries"] = max(0, len(seen) - 1)
+        r["decode"] = logs[r["server"]][1].get(r["rid"], []) if seen else []
+        r["decode_received"] = [t for t, _ in seen]
+
+
 def calibrate(url: str, prefix: str, seconds: float) -> dict:
     """Closed loop through the router, both prefills healthy: CALIBRATION_CLIENTS
     clients, each sends the demo's request again as soon as its last one is
@@ -744,10 +763,11 @@ def parse_args(argv=None):
     )
     ap.add_argument(
         "--fault",
-        choices=("bootstrap", "scheduler"),
+        choices=("bootstrap", "scheduler", "decode"),
         default="bootstrap",
         help="what of prefill 2 is frozen: the process of its HTTP and bootstrap "
-        "servers, or its scheduler process alone (both servers keep answering)",
+        "servers, or its scheduler process alone (both servers keep answering); "
+        "decode: one prefill and two decodes instead, decode 2 frozen whole",
     )
     ap.add_argument(
         "--allocation-policy",
@@ -796,35 +816,62 @@ def run(args, procs: Processes) -> dict:
     log(f"model: {model}")
     env = server_env(args.backend)
     p1, b1, p2, b2, dport, rport, prom = free_ports(7)
+    decode_fault = args.fault == "decode"
     req_log_dir = out / "decode-requests"
     prefill_extra = ["--disable-radix-cache", "--disaggregation-bootstrap-port"]
-    servers = {
-        "prefill1": (p1, prefill_extra + [str(b1)]),
-        "prefill2": (p2, prefill_extra + [str(b2)]),
-        "decode": (dport, ["--disaggregation-decode-retraction-backup",
-                           "cpu_tensor", "--log-requests", "--log-requests-level",
-                           "0", "--log-requests-format", "json",
-                           "--log-requests-target", str(req_log_dir)]),
-    }  # fmt: skip
+
+    def decode_extra(log_dir: Path) -> List[str]:
+        return ["--disaggregation-decode-retraction-backup", "cpu_tensor",
+                "--log-requests", "--log-requests-level", "0",
+                "--log-requests-format", "json",
+                "--log-requests-target", str(log_dir)]  # fmt: skip
+
+    servers = {"prefill1": (p1, prefill_extra + [str(b1)])}
+    decode_logs = {}
+    port_blocks = []
+    if decode_fault:
+        # One prefill, two decodes; decode 2 is the sick one. Their Mooncake
+        # ports are chosen so that 0.5.23 puts both decodes' rooms on the same
+        # of the prefill's transfer queues (in a fleet, any two decodes share
+        # one with probability 1/4).
+        for name, port in (("decode1", dport), ("decode2", p2)):
+            decode_logs[name] = out / f"{name}-requests"
+            servers[name] = (port, decode_extra(decode_logs[name]))
+        if args.backend == "mooncake":
+            sys.path.insert(0, str(REPO / "test" / "pd_loopback"))
+            from mirror import PortBlock
+
+            port_blocks = [PortBlock(0), PortBlock(0)]
+    else:
+        servers["prefill2"] = (p2, prefill_extra + [str(b2)])
+        servers["decode"] = (dport, decode_extra(req_log_dir))
+        decode_logs["decode"] = req_log_dir
     urls = {}
     t_start = time.monotonic()
     for name, (port, extra) in servers.items():
-        role = "decode" if name == "decode" else "prefill"
+        role = "prefill" if name.startswith("prefill") else "decode"
         cmd = server_cmd(model, role, port, args, extra)
         server_env_ = dict(env)
-        if name == "decode" and not args.router_defaults:
+        if role == "decode" and not args.router_defaults:
             server_env_["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(
                 DECODE_WAITING_TIMEOUT_S
             )
+        if role == "decode" and port_blocks:
+            server_env_.update(port_blocks[len(urls) - 1].env())
         procs.start(name, cmd, server_env_, out / f"{name}.log")
         urls[name] = f"http://{HOST}:{port}"
     # The router starts alongside and registers the servers once they are up.
     router_url = f"http://{HOST}:{rport}"
+    workers_args = (
+        ["--prefill", urls["prefill1"], str(b1),
+         "--decode", urls["decode1"], "--decode", urls["decode2"]]
+        if decode_fault
+        else ["--prefill", urls["prefill1"], str(b1),
+              "--prefill", urls["prefill2"], str(b2), "--decode", urls["decode"]]
+    )  # fmt: skip
     router_cmd = [
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-        "--prefill", urls["prefill1"], str(b1),
-        "--prefill", urls["prefill2"], str(b2),
-        "--decode", urls["decode"],
+        *workers_args,
         "--host", HOST, "--port", str(rport),
         "--prometheus-host", HOST, "--prometheus-port", str(prom),
         "--policy", "round_robin",
@@ -836,7 +883,11 @@ def run(args, procs: Processes) -> dict:
     log(f"started 3 servers + router (logs in {out}); waiting for /health")
     mem = MemorySampler(procs)
     mem.start()
-    ready = wait_healthy(urls, procs, timeout=400)
+    try:
+        ready = wait_healthy(urls, procs, timeout=400)
+    finally:
+        for block in port_blocks:
+            block.release()
     startup = time.monotonic() - t_start
     _, workers = wait_router(router_url, list(urls.values()), procs, 120)
     router_ready = time.monotonic() - t_start
@@ -851,20 +902,36 @@ def run(args, procs: Processes) -> dict:
     if bad:
         raise RuntimeError(f"warm-up requests failed: {bad}")
     time.sleep(1.0)  # the request log is written asynchronously
-    ports, _, _ = decode_request_log(req_log_dir, time.time())
-    warm_ports = {p for r in warm.rows for p in ports.get(r["rid"], [])}
-    if warm_ports != {b1, b2}:
-        raise RuntimeError(
-            f"warm-up did not reach both prefills (bootstrap ports seen "
-            f"{sorted(warm_ports)}, want {sorted({b1, b2})})"
-        )
+    if decode_fault:
+        served = {
+            name
+            for name, log_dir in decode_logs.items()
+            if any(
+                r["rid"] in decode_request_log(log_dir, time.time())[0]
+                for r in warm.rows
+            )
+        }
+        if served != set(decode_logs):
+            raise RuntimeError(f"warm-up did not reach both decodes (only {served})")
+    else:
+        ports, _, _ = decode_request_log(req_log_dir, time.time())
+        warm_ports = {p for r in warm.rows for p in ports.get(r["rid"], [])}
+        if warm_ports != {b1, b2}:
+            raise RuntimeError(
+                f"warm-up did not reach both prefills (bootstrap ports seen "
+                f"{sorted(warm_ports)}, want {sorted({b1, b2})})"
+            )
     log(
-        "warm-up ok, both prefills served; latency "
+        f"warm-up ok, both {'decodes' if decode_fault else 'prefills'} served; latency "
         + ", ".join(f"{r['latency']:.2f}" for r in warm.rows)
         + " s"
     )
 
-    if args.fault == "scheduler":
+    if decode_fault:
+        # The whole server: its HTTP server and its scheduler.
+        frozen_pid = procs.procs["decode2"].pid
+        log(f"decode2's process group is {frozen_pid}")
+    elif args.fault == "scheduler":
         # Its HTTP and bootstrap servers keep answering: a hung scheduler.
         frozen_pid = scheduler_pid(procs, "prefill2")
         if frozen_pid is None:
@@ -961,9 +1028,11 @@ def run(args, procs: Processes) -> dict:
     stop_health = threading.Event()
     t0 = time.monotonic()
     t0_wall = time.time()
+    # The decode's /health, or with a sick decode, the prefill's.
+    health_of = "prefill1" if decode_fault else "decode"
     hp = threading.Thread(
         target=health_poller,
-        args=(urls["decode"], t0, stop_health, health),
+        args=(urls[health_of], t0, stop_health, health),
         daemon=True,
     )
     hp.start()
@@ -982,21 +1051,22 @@ def run(args, procs: Processes) -> dict:
     freeze_at = before
     thaw_at = before + freeze
     window: List[Optional[float]] = [None, None]
+    frozen_name = "decode2" if decode_fault else "prefill2"
     log(
-        f"sending {rate:g} req/s for {total:.0f} s; prefill2 frozen from "
+        f"sending {rate:g} req/s for {total:.0f} s; {frozen_name} frozen from "
         f"t={freeze_at:.0f} s to t={thaw_at:.0f} s"
     )
     next_progress = 10.0
     while True:
         now = time.monotonic() - t0
         if window[0] is None and now >= freeze_at:
-            procs.freeze(frozen_pid)
+            procs.freeze(frozen_pid, group=decode_fault)
             window[0] = time.monotonic() - t0
-            log(f"SIGSTOP pid {frozen_pid} (prefill2) at t={window[0]:.1f} s")
+            log(f"SIGSTOP pid {frozen_pid} ({frozen_name}) at t={window[0]:.1f} s")
         if window[0] is not None and window[1] is None and now >= thaw_at:
             procs.thaw()
             window[1] = time.monotonic() - t0
-            log(f"SIGCONT pid {frozen_pid} (prefill2) at t={window[1]:.1f} s")
+            log(f"SIGCONT pid {frozen_pid} ({frozen_name}) at t={window[1]:.1f} s")
         if now >= total:
             break
         if now >= n * interval:
@@ -1013,7 +1083,7 @@ def run(args, procs: Processes) -> dict:
             log(
                 f"t={now:.0f} s: sent {n}, answered {len(done)}; last 10 s: "
                 f"max latency {max(recent, default=float('nan')):.1f} s, "
-                f"decode /health max {max(hl, default=float('nan')):.2f} s"
+                f"{health_of} /health max {max(hl, default=float('nan')):.2f} s"
             )
         time.sleep(min(0.05, max(0.0, n * interval - now)))
 
@@ -1047,17 +1117,20 @@ def run(args, procs: Processes) -> dict:
                 }
             )
     time.sleep(1.0)  # let the decode flush its request log
-    ports, verdicts, received = decode_request_log(req_log_dir, t0_wall)
-    by_port = {b1: "prefill1", b2: "prefill2"}
-    for r in rows:
-        seen = ports.get(r["rid"], [])
-        r["bootstrap_ports"] = seen
-        # The prefill the router picked; a router retry (to either prefill)
-        # shows up as a second entry at the decode.
-        r["prefill"] = by_port.get(seen[0]) if seen else None
-        r["router_retries"] = max(0, len(seen) - 1)
-        r["decode"] = verdicts.get(r["rid"], [])
-        r["decode_received"] = received.get(r["rid"], [])
+    if decode_fault:
+        attribute_decodes(rows, decode_logs, t0_wall)
+    else:
+        ports, verdicts, received = decode_request_log(req_log_dir, t0_wall)
+        by_port = {b1: "prefill1", b2: "prefill2"}
+        for r in rows:
+            seen = ports.get(r["rid"], [])
+            r["bootstrap_ports"] = seen
+            # The prefill the router picked; a router retry (to either prefill)
+            # shows up as a second entry at the decode.
+            r["prefill"] = r["server"] = by_port.get(seen[0]) if seen else None
+            r["router_retries"] = max(0, len(seen) - 1)
+            r["decode"] = verdicts.get(r["rid"], [])
+            r["decode_received"] = received.get(r["rid"], [])
     rows.sort(key=lambda r: r["t_send"])
     mem.sample(pss=True)
     mem.stop_event.set()
@@ -1080,15 +1153,16 @@ def run(args, procs: Processes) -> dict:
         "t_cut": t_cut,
         "allocation_policy": args.allocation_policy,
         "frozen": {
-            "server": "prefill2",
+            "server": frozen_name,
+            "kind": "decode" if decode_fault else "prefill",
             "what": args.fault,
             "pid": frozen_pid,
-            "launch_pid": procs.procs["prefill2"].pid,
-            "bootstrap_port": b2,
+            "launch_pid": procs.procs[frozen_name].pid,
+            "bootstrap_port": None if decode_fault else b2,
         },
-        "healthy_prefill": "prefill1",
-        "ports": {"prefill1": [p1, b1], "prefill2": [p2, b2], "decode": dport,
-                  "router": rport},
+        "healthy": "decode1" if decode_fault else "prefill1",
+        "health_of": health_of,
+        "ports": {name: port for name, (port, _) in servers.items()},
         "router": {"policy": "round_robin", "workers": workers,
                    "cmd": router_cmd, "defaults": args.router_defaults},
         "decode_waiting_timeout_s": (
@@ -1097,7 +1171,7 @@ def run(args, procs: Processes) -> dict:
                       "router_registered": router_ready},
         "requests": rows,
         "warmup": warm.rows,
-        "decode_health": health,
+        "health": health,
         "client_stalls": client_stalls,
         "drain_cap_s": drain_cap,
         "memory": {

@@ -51,16 +51,40 @@ def _fmt(x: Optional[float], digits=2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def server(r: dict) -> Optional[str]:
+    """The server of the frozen kind the router picked for a request (older
+    results name only the prefill)."""
+    return r.get("server", r.get("prefill"))
+
+
+def healthy_of(result: dict) -> str:
+    return result.get("healthy") or result.get("healthy_prefill", "prefill1")
+
+
+def kind_of(result: dict) -> str:
+    """What was frozen: a prefill, or (--fault decode) a decode."""
+    return result["frozen"].get("kind", "prefill")
+
+
+def health_of(result: dict) -> List[dict]:
+    """The /health polls: the decode's, or with a frozen decode the prefill's."""
+    return result.get("health", result.get("decode_health"))
+
+
+def health_server(result: dict) -> str:
+    return result.get("health_of", "decode")
+
+
 def summarize(result: dict) -> dict:
     window = result["freeze_window"]
-    healthy = result.get("healthy_prefill", "prefill1")
+    healthy = healthy_of(result)
     frozen = result["frozen"]["server"]
     s: Dict[str, dict] = {"healthy": {}, "frozen": {}}
     for ph in PHASES:
         rows = [
             r
             for r in result["requests"]
-            if r.get("prefill") == healthy and phase_of(r["t_send"], window) == ph
+            if server(r) == healthy and phase_of(r["t_send"], window) == ph
         ]
         ok = [r["latency"] for r in rows if r["outcome"] == "ok"]
         s["healthy"][ph] = {
@@ -75,7 +99,7 @@ def summarize(result: dict) -> dict:
     hit = [
         r
         for r in result["requests"]
-        if r.get("prefill") == frozen
+        if server(r) == frozen
         and r["t_send"] < (window[1] if window[1] is not None else math.inf)
         and (r["t_end"] is None or r["t_end"] > window[0])
     ]
@@ -101,8 +125,8 @@ def summarize(result: dict) -> dict:
         "decode_end_max": max(d_ends, default=None),
         "decode_errors": d_errors.most_common(),
     }
-    s["unattributed"] = sum(1 for r in result["requests"] if r.get("prefill") is None)
-    polls = [h for h in result["decode_health"] if phase_of(h["t"], window) == "during"]
+    s["unattributed"] = sum(1 for r in result["requests"] if server(r) is None)
+    polls = [h for h in health_of(result) if phase_of(h["t"], window) == "during"]
     lat = [h["latency"] for h in polls]
     # Older results have no client stalls recorded: treat them as none.
     stalls = result.get("client_stalls")
@@ -123,7 +147,7 @@ def summarize(result: dict) -> dict:
         "client_stalls": len(during_stalls),
         "client_stall_max": max(during_stalls, default=None),
     }
-    all_lat = [h["latency"] for h in result["decode_health"]]
+    all_lat = [h["latency"] for h in health_of(result)]
     s["health_all_max"] = max(all_lat) if all_lat else None
     return s
 
@@ -234,11 +258,12 @@ def goals(result: dict, s: dict) -> List[tuple]:
     frozen = [
         r
         for r in result["requests"]
-        if r.get("prefill") == result["frozen"]["server"] and r["t_send"] < window[1]
+        if server(r) == result["frozen"]["server"] and r["t_send"] < window[1]
     ]
     due = window[1] + ANSWERED_AFTER_RESUME_S
     late = sum(1 for r in frozen if r["t_end"] is None or r["t_end"] > due)
     health = s["health"]["max"]
+    kind = kind_of(result)
     return [
         (
             f"healthy p50 before the freeze < {P50_BEFORE_MAX_S:g} s",
@@ -246,7 +271,8 @@ def goals(result: dict, s: dict) -> List[tuple]:
             before["p50"] is not None and before["p50"] < P50_BEFORE_MAX_S,
         ),
         (
-            f"decode /health max during the freeze < {HEALTH_MAX_S:g} s",
+            f"{health_server(result)} /health max during the freeze < "
+            f"{HEALTH_MAX_S:g} s",
             _fmt(health, 3) + _stall_note(s["health"]),
             health is not None and health < HEALTH_MAX_S,
         ),
@@ -256,13 +282,13 @@ def goals(result: dict, s: dict) -> List[tuple]:
             ratio is not None and ratio <= P90_RATIO_MAX,
         ),
         (
-            "requests to the frozen prefill without an answer "
+            f"requests to the frozen {kind} without an answer "
             f"{ANSWERED_AFTER_RESUME_S:g} s after the resume",
             f"{late} of {len(frozen)}",
             late == 0,
         ),
         (
-            "no request fails while a prefill could serve it (after the "
+            f"no request fails while a {kind} could serve it (after the "
             "router's retries)",
             f"{sum(failed.values())} of {len(result['requests'])}"
             + (
@@ -310,8 +336,10 @@ def goals_table(results: List[dict], sums: List[dict]) -> List[str]:
 def tables(results: List[dict]) -> str:
     sums = [summarize(r) for r in results]
     out = goals_table(results, sums) + load_table(results)
+    kind, healthy = kind_of(results[0]), healthy_of(results[0])
+    frozen, polled = results[0]["frozen"]["server"], health_server(results[0])
     out.append(
-        "Healthy prefill (prefill1): latency of successful requests, seconds, "
+        f"Healthy {kind} ({healthy}): latency of successful requests, seconds, "
         "by send time (p50 / p90 / max, n)\n"
     )
     out.append("| variant | before freeze | during freeze | after resume |")
@@ -330,7 +358,7 @@ def tables(results: List[dict]) -> str:
         out.append(f"| {label(r)} | " + " | ".join(cells) + " |")
     out.append("")
     out.append(
-        "Requests routed to the frozen prefill (prefill2) while it was frozen "
+        f"Requests routed to the frozen {kind} ({frozen}) while it was frozen "
         "(or in flight when it was stopped): how the DECODE SERVER ended them "
         "(from its request log)\n"
     )
@@ -373,7 +401,7 @@ def tables(results: List[dict]) -> str:
         )
     out.append("")
     out.append(
-        "Decode server `GET /health` latency while prefill2 was frozen (the "
+        f"{polled} server `GET /health` latency while {frozen} was frozen (the "
         "handler runs a 1-token probe and checks every 1 s, so ~1.0 s is healthy)\n"
     )
     out.append(
@@ -426,8 +454,8 @@ def tables(results: List[dict]) -> str:
     for r, s in zip(results, sums):
         if s["unattributed"]:
             notes.append(
-                f"{label(r)}: {s['unattributed']} request(s) never reached the "
-                "decode server, so their prefill is unknown."
+                f"{label(r)}: {s['unattributed']} request(s) never reached a "
+                f"decode server's request log, so their {kind} is unknown."
             )
         if r["variant"]["label"] == "stock":
             notes.append(
@@ -445,7 +473,8 @@ def tables(results: List[dict]) -> str:
 def summarize_text(result: dict) -> str:
     window = result["freeze_window"]
     head = (
-        f"{label(result)}: prefill2 frozen t={window[0]:.1f}-{window[1]:.1f} s, "
+        f"{label(result)}: {result['frozen']['server']} frozen "
+        f"t={window[0]:.1f}-{window[1]:.1f} s, "
         f"{len(result['requests'])} requests at {result['rate']:g}/s"
     )
     choice = result.get("rate_choice")
@@ -470,21 +499,22 @@ def plot(results: List[dict], path: Path) -> None:
         sharex="col",
         gridspec_kw={"height_ratios": [3, 1.3]},
     )
-    colors = {"prefill1": "tab:blue", "prefill2": "tab:red", None: "tab:gray"}
-    names = {
-        "prefill1": "healthy prefill1",
-        "prefill2": "frozen prefill2",
-        None: "prefill unknown",
-    }
     for col, r in enumerate(results):
+        healthy, frozen, kind = healthy_of(r), r["frozen"]["server"], kind_of(r)
+        colors = {healthy: "tab:blue", frozen: "tab:red", None: "tab:gray"}
+        names = {
+            healthy: f"healthy {healthy}",
+            frozen: f"frozen {frozen}",
+            None: f"{kind} unknown",
+        }
         w = r["freeze_window"]
         ax, hx = axes[0][col], axes[1][col]
         for a in (ax, hx):
             a.axvspan(w[0], w[1], color="tab:orange", alpha=0.15, lw=0)
             a.grid(True, which="both", alpha=0.3)
         t_cut = r.get("t_cut")
-        for pf in ("prefill1", "prefill2", None):
-            rows = [x for x in r["requests"] if x.get("prefill") == pf]
+        for pf in (healthy, frozen, None):
+            rows = [x for x in r["requests"] if server(x) == pf]
             groups = {
                 "ok": [x for x in rows if x["outcome"] == "ok"],
                 "retried": [],
@@ -530,11 +560,11 @@ def plot(results: List[dict], path: Path) -> None:
         )
         ax.set_ylabel("latency (s), by send time")
         ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
-        h = r["decode_health"]
+        h = health_of(r)
         hx.plot([x["t"] for x in h], [x["latency"] for x in h], ".", ms=3)
         hx.set_yscale("log")
-        hx.set_ylabel("decode GET /health (s)")
-        hx.set_xlabel("time since load start (s); shaded: prefill2 SIGSTOPped")
+        hx.set_ylabel(f"{health_server(r)} GET /health (s)")
+        hx.set_xlabel(f"time since load start (s); shaded: {frozen} SIGSTOPped")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -551,7 +581,11 @@ def main(argv=None) -> int:
     frozen = (
         "one prefill's scheduler frozen (its HTTP and bootstrap servers answer)"
         if what == {"scheduler"}
-        else "one prefill frozen"
+        else (
+            "one prefill, two decodes, one decode frozen"
+            if what == {"decode"}
+            else "one prefill frozen"
+        )
     )
     md = f"# PD demo: {frozen}, " + " vs ".join(map(label, results))
     md += "\n\n" + tables(results)

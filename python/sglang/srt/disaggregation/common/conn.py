@@ -920,7 +920,9 @@ class _TransferLane:
             self.running_since = time.monotonic()
             self.reported = set()
             first = not self.contacted
-            lanes._watch.notify()
+            if first or lanes._watch_idle:
+                # Any other chunk running is due before this one.
+                lanes._watch.notify()
         if first:
             # On this lane's own thread: a decode that does not answer holds
             # only this lane, for the handshake bound.
@@ -982,6 +984,8 @@ class _TransferLanes:
         self.handshake_timeout_s = handshake_timeout_s
         self._lock = threading.Lock()
         self._watch = threading.Condition(self._lock)
+        # The watchdog waits with no deadline: no chunk is running.
+        self._watch_idle = False
         self._stopped = False
         self._lanes: Dict[tuple, _TransferLane] = {}
         self._threads: Set[threading.Thread] = set()
@@ -1094,7 +1098,10 @@ class _TransferLanes:
                                 )
                     finally:
                         self._lock.acquire()
+                    continue  # chunks may have started meanwhile: look again
+                self._watch_idle = due is None
                 self._watch.wait(due)
+                self._watch_idle = False
 
     def _overdue(self, now: float) -> Tuple[Optional[float], list]:
         """Caller holds _lock. The rooms of lanes past their bound not failed
