@@ -311,6 +311,20 @@ class TestTransferLanes(CustomTestCase):
         self.assertNotEqual(tid, stuck_tid)
         self.assertEqual(priority, os.getpriority(os.PRIO_PROCESS, 0))
 
+    def test_a_chunk_started_while_the_watchdog_is_idle_is_watched(self):
+        # The handshake bound is far off; the transfer bound is 0.
+        lanes = self._lanes(transfer_timeout_s=0.0, handshake_timeout_s=1000.0)
+        first_done, gate = threading.Event(), threading.Event()
+        self.addCleanup(gate.set)
+        lanes.put(("a",), SimpleNamespace(room=1, run=first_done.set))
+        self.assertTrue(first_done.wait(_WAIT_S))
+        with lanes._lock:
+            # Once nothing runs, the watchdog waits without a deadline.
+            self.assertTrue(lanes._watch.wait_for(lambda: lanes._watch_idle, _WAIT_S))
+        lanes.put(("a",), SimpleNamespace(room=2, run=lambda: gate.wait(_WAIT_S)))
+        key, rooms, _, first = self.stuck.get(timeout=_WAIT_S)
+        self.assertEqual((key, rooms, first), (("a",), [2], True))
+
     def test_overdue_reports_the_running_room_once_then_the_queued_ones(self):
         lanes = self._lanes(transfer_timeout_s=1000.0, handshake_timeout_s=1000.0)
         started, gate = threading.Event(), threading.Event()
