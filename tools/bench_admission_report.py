@@ -9,17 +9,10 @@ and matplotlib.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
+from report_cli import compare_main
 
 # The healthy prefill's p90 at every multiple, against its own at 0x ("flat").
 GOAL_P14 = 1.5
-
-
-def load(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 def sec(x):
@@ -136,17 +129,7 @@ def plot(stock, patched, png) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stock", required=True)
-    ap.add_argument("--patched", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    stock, patched = load(args.stock), load(args.patched)
-    png = os.path.join(os.path.dirname(os.path.abspath(args.out)), "admission.png")
-    plot(stock, patched, png)
-    with open(args.out, "w") as f:
-        f.write(report(stock, patched, os.path.basename(png)))
-    return 0
+    return compare_main(argv, "admission.png", plot, report)
 
 
 if __name__ == "__main__":

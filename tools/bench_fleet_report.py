@@ -9,20 +9,15 @@ fleet.png next to it. Needs only the standard library and matplotlib.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+
+from report_cli import compare_main
 
 GOAL_P9_S = 0.010  # healthy request at K = 64
 GOAL_P10_MS = 1.0  # p99 at N = 5,000
 GOAL_P11 = 1.05  # patched / stock CPU per admitted request
 GOAL_P12_S = 20.0  # K = 32 declared failed
 GOAL_P12B_S = 1.0  # one death among 31 frozen, against alone
-
-
-def load(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 def sec(x):
@@ -374,17 +369,7 @@ def plot(stock, patched, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stock", required=True)
-    ap.add_argument("--patched", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    stock, patched = load(args.stock), load(args.patched)
-    png = os.path.join(os.path.dirname(os.path.abspath(args.out)), "fleet.png")
-    plot(stock, patched, png)
-    with open(args.out, "w") as f:
-        f.write(report(stock, patched, os.path.basename(png)))
-    return 0
+    return compare_main(argv, "fleet.png", plot, report)
 
 
 if __name__ == "__main__":

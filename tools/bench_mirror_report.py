@@ -9,9 +9,9 @@ and matplotlib.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+
+from report_cli import compare_main
 
 # Goal: the healthy decode's p90 with a sick decode within one decode step (the
 # harness steps every 5 ms) of its p90 alone.
@@ -21,11 +21,6 @@ TITLES = {
     "frozen_first_contact": "A frozen before the prefill's first transfer to it",
     "not_reading": "A alive, not reading its control socket",
 }
-
-
-def load(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 def p90(values):
@@ -158,17 +153,7 @@ def plot(stock, patched, png) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stock", required=True)
-    ap.add_argument("--patched", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    stock, patched = load(args.stock), load(args.patched)
-    png = os.path.join(os.path.dirname(os.path.abspath(args.out)), "mirror.png")
-    plot(stock, patched, png)
-    with open(args.out, "w") as f:
-        f.write(report(stock, patched, png))
-    return 0
+    return compare_main(argv, "mirror.png", plot, report)
 
 
 if __name__ == "__main__":
