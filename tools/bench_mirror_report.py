@@ -143,6 +143,17 @@ def plot(stock, patched, png) -> None:
                     ]
                     if points:
                         ax.plot(*zip(*points), style, label=doc["variant"])
+                    lost = len(fault["during"]) - len(points)
+                    if lost:
+                        ax.text(
+                            0.01,
+                            0.92 if doc is stock else 0.8,
+                            f"{doc['variant']}: {lost} of {len(fault['during'])} "
+                            "not served when the bench stopped waiting",
+                            transform=ax.transAxes,
+                            fontsize=8,
+                            color=style[0],
+                        )
         ax.set_yscale("log")
         ax.set_ylabel("B latency, s")
         ax.set_title(f"{backend}, {queues} queue(s): {TITLES[name]}", fontsize=9)
