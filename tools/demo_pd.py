@@ -410,17 +410,23 @@ class RequestLog:
             self.rows.append(row)
 
 
+# With --fault decode: prompts of this many tokens, so that each takes the prefill
+# a while (~0.3 s here) and a decode has transfers due when it freezes.
+LONG_PROMPT_TOKENS = 400
+PROMPT_TOKENS: Optional[int] = None
+
+
 def one_request(url, rid, t0, timeout, out: RequestLog, rng_seed: int):
     rng = random.Random(rng_seed)
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 24)))
-    body = {
-        "rid": rid,
-        "text": prompt,
-        "sampling_params": {
-            "max_new_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
+    body = {"rid": rid}
+    if PROMPT_TOKENS:
+        body["input_ids"] = [rng.randrange(10, 500) for _ in range(PROMPT_TOKENS)]
+    else:
+        body["text"] = " ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 24)))
+    body["sampling_params"] = {
+        "max_new_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
     }
     sent = time.monotonic() - t0
     row = {"rid": rid, "t_send": sent}
@@ -606,21 +612,24 @@ def decode_request_log(log_dir: Path, t0_wall: float):
     return ports, verdicts, received
 
 
-def attribute_decodes(rows: List[dict], decode_logs: Dict[str, Path], t0_wall):
-    """With two decodes: the decode the router picked for each request (the
-    first whose request log has it; a retry shows in the other's or as a
-    second entry), and how that decode ended it."""
+def attribute_decodes(
+    rows: List[dict], decode_logs: Dict[str, Path], t0_wall, frozen: str
+):
+    """With two decodes: the decode the router picked for each request, and how
+    that decode ended it. A frozen decode logs a request only once it runs
+    again, after the router may have retried it on the other: a request in the
+    frozen decode's log went there first."""
     logs = {name: decode_request_log(d, t0_wall) for name, d in decode_logs.items()}
     for r in rows:
         seen = sorted(
-            (t, name)
+            (name != frozen, t, name)
             for name, (_, _, received) in logs.items()
             for t in received.get(r["rid"], [])
         )
-        r["server"] = seen[0][1] if seen else None
+        r["server"] = seen[0][2] if seen else None
         r["router_retries"] = max(0, len(seen) - 1)
         r["decode"] = logs[r["server"]][1].get(r["rid"], []) if seen else []
-        r["decode_received"] = [t for t, _ in seen]
+        r["decode_received"] = sorted(t for _, t, _ in seen)
 
 
 def calibrate(url: str, prefix: str, seconds: float) -> dict:
@@ -817,6 +826,8 @@ def run(args, procs: Processes) -> dict:
     env = server_env(args.backend)
     p1, b1, p2, b2, dport, rport, prom = free_ports(7)
     decode_fault = args.fault == "decode"
+    global PROMPT_TOKENS
+    PROMPT_TOKENS = LONG_PROMPT_TOKENS if decode_fault else None
     req_log_dir = out / "decode-requests"
     prefill_extra = ["--disable-radix-cache", "--disaggregation-bootstrap-port"]
 
@@ -1118,7 +1129,7 @@ def run(args, procs: Processes) -> dict:
             )
     time.sleep(1.0)  # let the decode flush its request log
     if decode_fault:
-        attribute_decodes(rows, decode_logs, t0_wall)
+        attribute_decodes(rows, decode_logs, t0_wall, "decode2")
     else:
         ports, verdicts, received = decode_request_log(req_log_dir, t0_wall)
         by_port = {b1: "prefill1", b2: "prefill2"}
