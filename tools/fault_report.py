@@ -229,9 +229,11 @@ def fmt_mirror(run: Optional[dict]) -> str:
         f"{r['pstatus'] or 'open'} at {'-' if e is None else f'{e:.1f} s'}"
         for r, e in zip(run["sick"], ended)
     )
+    worst = summary["during_max"] or 0
+    worst = f"{1e3 * worst:.0f} ms" if worst < 1 else f"{worst:.1f} s"
     return (
-        f"{1e3 * (summary['during_max'] or 0):.0f} ms max, "
-        f"{summary['during_served']} of {summary['during_sent']} served; A's: {sick}"
+        f"{worst} max, {summary['during_served']} of {summary['during_sent']} "
+        f"served; A's: {sick}"
     )
 
 

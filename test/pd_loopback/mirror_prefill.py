@@ -11,15 +11,12 @@ queues, transfer lanes, threads and the free KV and metadata slots.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import pd_setup  # noqa: E402
 import prefill_worker  # noqa: E402
 
 
@@ -48,58 +45,6 @@ class MirrorPrefill(prefill_worker.Worker):
                 out["failed_sessions"] = sorted(mgr.failed_sessions)
         return out
 
-    def serve(self) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                return
-            cmd = msg.get("cmd")
-            if cmd == "send":
-                self.cmd_send(msg)
-                continue
-            try:
-                if cmd == "state":
-                    out = self.cmd_state(msg)
-                elif cmd == "ping":
-                    out = {"ok": True}
-                else:
-                    out = {"ok": False, "error": f"unknown command {cmd!r}"}
-            except Exception:
-                out = {"ok": False, "error": traceback.format_exc()}
-            out["id"] = msg["id"]
-            self.reply(out)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", required=True, choices=["mooncake", "nixl"])
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--bootstrap-port", type=int, required=True)
-    parser.add_argument("--ctl-fd", type=int, required=True)
-    parser.add_argument("--pool-tokens", type=int, default=pd_setup.POOL_TOKENS)
-    args = parser.parse_args()
-    args.allocation_policy = "early"
-
-    prefill_worker._die_with_parent()
-    pd_setup.apply_loopback_env()
-    pd_setup.POOL_TOKENS = args.pool_tokens
-    from multiprocessing.connection import Connection
-
-    conn = Connection(args.ctl_fd)
-    worker = MirrorPrefill(args, conn)
-    try:
-        worker.setup()
-    except BaseException:
-        conn.send({"id": 0, "event": "error", "error": traceback.format_exc()})
-        return 1
-    worker.reply({"id": 0, "event": "ready", "pid": os.getpid()})
-    worker.serve()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(prefill_worker.main(MirrorPrefill))

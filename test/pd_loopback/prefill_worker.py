@@ -180,6 +180,9 @@ class Worker:
         _FAULTS = specs
         return {"ok": True}
 
+    def cmd_ping(self, msg: dict) -> dict:
+        return {"ok": True}
+
     def cmd_send(self, msg: dict) -> None:
         threading.Thread(
             target=self._send_job, args=(msg,), name=f"send-{msg['room']}", daemon=True
@@ -288,11 +291,10 @@ class Worker:
             if cmd == "send":
                 self.cmd_send(msg)
                 continue
+            handler = getattr(self, f"cmd_{cmd}", None)
             try:
-                if cmd == "fault":
-                    out = self.cmd_fault(msg)
-                elif cmd == "ping":
-                    out = {"ok": True}
+                if handler is not None:
+                    out = handler(msg)
                 else:
                     out = {"ok": False, "error": f"unknown command {cmd!r}"}
             except Exception:
@@ -301,7 +303,8 @@ class Worker:
             self.reply(out)
 
 
-def main() -> int:
+def main(worker_class=None) -> int:
+    """``worker_class``: a Worker subclass (mirror_prefill.py's)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True, choices=["mooncake", "nixl"])
     parser.add_argument("--model-path", required=True)
@@ -311,14 +314,16 @@ def main() -> int:
     parser.add_argument(
         "--allocation-policy", default="early", choices=["early", "prefill_complete"]
     )
+    parser.add_argument("--pool-tokens", type=int, default=pd_setup.POOL_TOKENS)
     args = parser.parse_args()
 
     _die_with_parent()
     pd_setup.apply_loopback_env()
+    pd_setup.POOL_TOKENS = args.pool_tokens
     from multiprocessing.connection import Connection
 
     conn = Connection(args.ctl_fd)
-    worker = Worker(args, conn)
+    worker = (worker_class or Worker)(args, conn)
     try:
         worker.setup()
     except BaseException:
