@@ -481,7 +481,9 @@ class TestMori(CustomTestCase):
         mgr.transfer_infos = {1: {"d1-r1": 0, "d1-r0": 0}, 2: {"d2-r0": 0}}
         mgr.decode_kv_args_table = {}
         put = []
-        mgr._transfer_lanes = SimpleNamespace(put=lambda key, chunk: put.append(key))
+        mgr._transfer_lanes = SimpleNamespace(
+            inbox=lambda key: SimpleNamespace(put=lambda chunk: put.append(key))
+        )
         mgr._num_shards = 8
         mgr._transfer_queues = [FastQueue() for _ in range(8)]
         for room in (1, 2):

@@ -933,6 +933,14 @@ class _TransferLane:
         return chunk
 
 
+class _LaneInbox(NamedTuple):
+    lanes: "_TransferLanes"
+    key: tuple
+
+    def put(self, chunk) -> None:
+        self.lanes.put(self.key, chunk)
+
+
 class _TransferLanes:
     """The prefill's KV transfers, a lane per decode destination.
 
@@ -1158,6 +1166,10 @@ class _TransferLanes:
             logger.debug(f"Could not lower the priority of a stuck lane: {e}")
             return
         lane.demoted = True
+
+    def inbox(self, key: tuple) -> "_LaneInbox":
+        """What ``put(chunk)`` puts a chunk on ``key``'s lane."""
+        return _LaneInbox(self, key)
 
     def lane_count(self) -> int:
         return len(self._lanes)
@@ -3297,17 +3309,17 @@ class CommonKVManager(BaseKVManager):
         )
         self._status_drops = 0
 
-    def _put_on_transfer_lane(self, destinations, chunk) -> bool:
-        """Put a room's chunk on the lane of its decode destinations; False
-        when it takes 0.5.23's queues: no lanes (staging), or a DCP relayout,
-        whose pack buffers are per queue worker."""
+    def _transfer_queue(self, queues: list, shard_idx: int, destinations):
+        """Where a room's chunk goes: the transfer lane of its decode
+        destinations, or 0.5.23's ``queues[shard_idx]`` when there are no
+        lanes (staging) or the room needs a DCP relayout, whose pack buffers
+        are per queue worker."""
         if self._transfer_lanes is None or any(
             getattr(self.decode_kv_args_table.get(d), "requires_dcp_relayout", False)
             for d in destinations
         ):
-            return False
-        self._transfer_lanes.put(tuple(sorted(destinations)), chunk)
-        return True
+            return queues[shard_idx]
+        return self._transfer_lanes.inbox(tuple(sorted(destinations)))
 
     def fail_active_rooms(self, rooms: List[int], reason: str) -> List[int]:
         """Fail those of ``rooms`` that have not ended, with ``reason``."""

@@ -3114,20 +3114,20 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         if trace_ctx is None:
             trace_ctx = TraceNullContext()
 
-        chunk = TransferKVChunk(
-            room=bootstrap_room,
-            prefill_kv_indices=kv_indices,
-            index_slice=index_slice,
-            is_last_chunk=is_last_chunk,
-            prefill_aux_index=aux_index,
-            state_indices=state_indices,
-            num_kv_tokens=num_kv_tokens,
-            trace_ctx=trace_ctx,
-            wait_event=wait_event,
-            indices_event=indices_event,
+        self._transfer_queue(self.transfer_queues, shard_idx, dst_infos).put(
+            TransferKVChunk(
+                room=bootstrap_room,
+                prefill_kv_indices=kv_indices,
+                index_slice=index_slice,
+                is_last_chunk=is_last_chunk,
+                prefill_aux_index=aux_index,
+                state_indices=state_indices,
+                num_kv_tokens=num_kv_tokens,
+                trace_ctx=trace_ctx,
+                wait_event=wait_event,
+                indices_event=indices_event,
+            )
         )
-        if not self._put_on_transfer_lane(dst_infos, chunk):
-            self.transfer_queues[shard_idx].put(chunk)
 
     def _probe_before_first_transfer(self, sessions: tuple) -> None:
         """On a lane's thread, before its first chunk: probe its decode

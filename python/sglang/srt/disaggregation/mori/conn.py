@@ -840,18 +840,20 @@ class MoriKVManager(CommonKVManager):
             return
 
         shard_idx = bootstrap_room % self._num_shards
-        chunk = TransferKVChunk(
-            room=bootstrap_room,
-            prefill_kv_indices=kv_indices,
-            index_slice=index_slice,
-            is_last_chunk=is_last_chunk,
-            prefill_aux_index=aux_index,
-            state_indices=state_indices,
-            num_kv_tokens=num_kv_tokens,
-            wait_event=wait_event,
+        self._transfer_queue(
+            self._transfer_queues, shard_idx, self.transfer_infos[bootstrap_room]
+        ).put(
+            TransferKVChunk(
+                room=bootstrap_room,
+                prefill_kv_indices=kv_indices,
+                index_slice=index_slice,
+                is_last_chunk=is_last_chunk,
+                prefill_aux_index=aux_index,
+                state_indices=state_indices,
+                num_kv_tokens=num_kv_tokens,
+                wait_event=wait_event,
+            )
         )
-        if not self._put_on_transfer_lane(self.transfer_infos[bootstrap_room], chunk):
-            self._transfer_queues[shard_idx].put(chunk)
 
     def _connect_threadsafe(self, endpoint: str, is_ipv6: bool = False):
         """Thread-local ZMQ socket cache with shared Context.

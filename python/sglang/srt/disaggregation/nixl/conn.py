@@ -3368,17 +3368,19 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             info.dst_port for info in self.transfer_infos[bootstrap_room].values()
         )
         shard_idx = session_port_sum % len(self.transfer_queues)
-        chunk = TransferKVChunk(
-            room=bootstrap_room,
-            prefill_kv_indices=kv_indices,
-            index_slice=index_slice,
-            is_last_chunk=is_last_chunk,
-            prefill_aux_index=aux_index,
-            state_indices=state_indices,
-            num_kv_tokens=num_kv_tokens,
+        self._transfer_queue(
+            self.transfer_queues, shard_idx, self.transfer_infos[bootstrap_room]
+        ).put(
+            TransferKVChunk(
+                room=bootstrap_room,
+                prefill_kv_indices=kv_indices,
+                index_slice=index_slice,
+                is_last_chunk=is_last_chunk,
+                prefill_aux_index=aux_index,
+                state_indices=state_indices,
+                num_kv_tokens=num_kv_tokens,
+            )
         )
-        if not self._put_on_transfer_lane(self.transfer_infos[bootstrap_room], chunk):
-            self.transfer_queues[shard_idx].put(chunk)
         return None
 
     def _handle_abort_notification(self, msg: List[bytes]) -> bool:
