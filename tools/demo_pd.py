@@ -414,6 +414,11 @@ class RequestLog:
 # a while (~0.3 s here) and a decode has transfers due when it freezes.
 LONG_PROMPT_TOKENS = 400
 PROMPT_TOKENS: Optional[int] = None
+# And this many requests at once, this long before decode 2 freezes: it has
+# bootstrapped theirs (the prefill has its KV metadata) while the prefill is
+# still computing them, as a decode under load always has.
+FREEZE_BURST = 8
+FREEZE_BURST_LEAD_S = 0.3
 
 
 def one_request(url, rid, t0, timeout, out: RequestLog, rng_seed: int):
@@ -1068,6 +1073,7 @@ def run(args, procs: Processes) -> dict:
         f"t={freeze_at:.0f} s to t={thaw_at:.0f} s"
     )
     next_progress = 10.0
+    burst: List[tuple] = []
     while True:
         now = time.monotonic() - t0
         if window[0] is None and now >= freeze_at:
@@ -1080,6 +1086,14 @@ def run(args, procs: Processes) -> dict:
             log(f"SIGCONT pid {frozen_pid} ({frozen_name}) at t={window[1]:.1f} s")
         if now >= total:
             break
+        if decode_fault and not burst and now >= freeze_at - FREEZE_BURST_LEAD_S:
+            for k in range(FREEZE_BURST):
+                rid = f"{variant['label']}-{args.backend}-burst-{k}"
+                burst.append((rid, now))
+                pool.submit(
+                    one_request, router_url, rid, t0, client_timeout - now, reqs, -1 - k
+                )
+            log(f"sent {FREEZE_BURST} requests at once at t={now:.1f} s")
         if now >= n * interval:
             rid = f"{variant['label']}-{args.backend}-{n:04d}"
             timeout = client_timeout - n * interval
@@ -1102,7 +1116,7 @@ def run(args, procs: Processes) -> dict:
     drain_deadline = time.monotonic() + drain_cap
     while time.monotonic() < drain_deadline:
         with reqs.lock:
-            if len(reqs.rows) >= n:
+            if len(reqs.rows) >= n + len(burst):
                 break
         time.sleep(0.5)
     stop_health.set()
@@ -1112,13 +1126,15 @@ def run(args, procs: Processes) -> dict:
     with reqs.lock:
         rows = list(reqs.rows)
     done_rids = {r["rid"] for r in rows}
-    for i in range(n):
-        rid = f"{variant['label']}-{args.backend}-{i:04d}"
+    expected = [
+        (f"{variant['label']}-{args.backend}-{i:04d}", i * interval) for i in range(n)
+    ]
+    for rid, t_send in expected + burst:
         if rid not in done_rids:
             rows.append(
                 {
                     "rid": rid,
-                    "t_send": i * interval,
+                    "t_send": t_send,
                     "t_end": None,
                     "latency": None,
                     "status": None,
