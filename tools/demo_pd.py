@@ -621,20 +621,25 @@ def attribute_decodes(
     rows: List[dict], decode_logs: Dict[str, Path], t0_wall, frozen: str
 ):
     """With two decodes: the decode the router picked for each request, and how
-    that decode ended it. A frozen decode logs a request only once it runs
-    again, after the router may have retried it on the other: a request in the
-    frozen decode's log went there first."""
+    that decode ended it. The router sends a request's decode leg when it gets
+    the request, so the decode that logs it within ROUTED_WITHIN_S of the send
+    got it first. A frozen decode logs a request only once it runs again, if at
+    all: a request no decode logged that soon went to the frozen one."""
     logs = {name: decode_request_log(d, t0_wall) for name, d in decode_logs.items()}
     for r in rows:
         seen = sorted(
-            (name != frozen, t, name)
+            (t, name)
             for name, (_, _, received) in logs.items()
             for t in received.get(r["rid"], [])
         )
-        r["server"] = seen[0][2] if seen else None
+        first = [name for t, name in seen if t - r["t_send"] < ROUTED_WITHIN_S]
+        r["server"] = first[0] if first else (frozen if seen else None)
         r["router_retries"] = max(0, len(seen) - 1)
-        r["decode"] = logs[r["server"]][1].get(r["rid"], []) if seen else []
-        r["decode_received"] = sorted(t for _, t, _ in seen)
+        r["decode"] = logs[r["server"]][1].get(r["rid"], []) if r["server"] else []
+        r["decode_received"] = [t for t, _ in seen]
+
+
+ROUTED_WITHIN_S = 5.0
 
 
 def calibrate(url: str, prefix: str, seconds: float) -> dict:
@@ -1177,6 +1182,7 @@ def run(args, procs: Processes) -> dict:
         "cpu_cores": cpu,
         "phases": {"before": before, "freeze": freeze, "after": after},
         "freeze_window": window,
+        "t0_wall": t0_wall,
         "t_cut": t_cut,
         "allocation_policy": args.allocation_policy,
         "frozen": {
