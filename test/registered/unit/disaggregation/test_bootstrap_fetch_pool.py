@@ -10,6 +10,7 @@ monotonic clock stands for time, and fetches block on ``threading.Event``;
 the connection cases use a silent HTTP server on 127.0.0.1.
 """
 
+import socket
 import threading
 import unittest
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -371,6 +372,16 @@ class TestFetchesOwnTheirConnections(CustomTestCase):
         self.assertEqual(self.server.httpd.connections, 1)
         [(_, conn)] = self.http._idle[self.server.addr]
         self.assertEqual(conn.sock.gettimeout(), 5)
+
+    def test_a_query_is_not_held_back_by_nagle(self):
+        # http.client sends a POST's body in a second segment; with Nagle on,
+        # it waits for the server's delayed ACK (40 ms), as requests' does not.
+        self.server.httpd.release.set()
+        self.assertEqual(
+            CommonKVReceiver.query_prefill_dp_ranks(self.server.addr, [1]), {"1": 0}
+        )
+        [(_, conn)] = self.http._idle[self.server.addr]
+        self.assertTrue(conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
 
     def test_idle_connections_per_prefill_are_capped_then_closed(self):
         self.server.httpd.release.set()

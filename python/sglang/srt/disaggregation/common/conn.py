@@ -220,6 +220,10 @@ class _BootstrapHTTP:
         host = NetworkAddress.parse(bootstrap_addr)
         conn = http.client.HTTPConnection(host.host, host.port, timeout=read_timeout)
         conn.sock = socket.create_connection((host.host, host.port), connect_timeout)
+        # http.client sends a POST's body after its headers, in a second
+        # segment, which Nagle holds until the server's delayed ACK (40 ms);
+        # requests sets TCP_NODELAY too.
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.sock.settimeout(read_timeout)
         return self._send(bootstrap_addr, conn, method, path, body, headers)
 
