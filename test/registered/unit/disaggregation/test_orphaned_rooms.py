@@ -111,6 +111,29 @@ class TestDecodeAbortsOrphanedRooms(_SenderBase):
         )
         del failed, done
 
+    def cached_after_aborts(self):
+        """Whether the decode still caches a socket to the rank's endpoint once
+        the ABORTs of its orphaned rooms have left."""
+        self.mgr._handle_node_failure(ADDR)
+        self.mgr._abort_orphaned_rooms(ADDR)
+        self.assertEqual([a.room for a in self.aborts(1)], [11])
+        self.assertTrue(CommonKVReceiver._push_sender.barrier().wait(30))
+        endpoint = f"tcp://127.0.0.1:{self.rank.port}"
+        return endpoint in CommonKVReceiver._socket_cache
+
+    def test_an_abort_to_endpoints_no_route_uses_keeps_no_socket(self):
+        # A prefill that comes back at its address with other rank ports (a
+        # restart) is never reached at the old ones again: a socket kept for
+        # them would reconnect to them for as long as the decode runs.
+        self.receiver(11)
+        self.assertFalse(self.cached_after_aborts())
+
+    def test_an_abort_to_endpoints_a_route_uses_keeps_the_socket(self):
+        self.receiver(11)
+        other_prefill = "127.0.0.1:8999"
+        self.mgr.connection_pool[f"{other_prefill}_0_0_0"] = [self.rank.info]
+        self.assertTrue(self.cached_after_aborts())
+
     def probe(self):
         """One heartbeat probe of ADDR and its verdict, as the heartbeat
         thread does them."""

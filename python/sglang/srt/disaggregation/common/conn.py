@@ -88,6 +88,8 @@ ABORT_ACK_TAG = b"ABORT_ACK"
 ORPHANED_ROOM_ABORT_REASON = (
     "decode gave up on this request while this prefill was unreachable"
 )
+# How long ZMQ may still deliver those ABORTs once their socket is closed.
+ORPHANED_ABORT_LINGER_S = 2.0
 
 # Decode-side bootstrap queries (parallel info, dp ranks, per-rank routes) run
 # on a fetch pool, never on the scheduler thread. requests' timeout=5 bounds
@@ -723,6 +725,12 @@ class _PushSender:
         """Close every socket, after sending what was posted so far."""
         self._command("close_all")
 
+    def close_when_sent(self, endpoint: str, linger_s: float) -> None:
+        """Close ``endpoint``'s socket once what was posted for it so far has
+        left this thread, giving ZMQ's I/O thread ``linger_s`` to deliver it;
+        kept while messages for it are held back."""
+        self._command("close_when_sent", endpoint, linger_s)
+
     def stop(self, timeout_s: float = 3.0) -> None:
         """Send what was posted so far if it can be sent now, fail what is
         held, and end the thread; the sockets are the caller's to close."""
@@ -775,6 +783,9 @@ class _PushSender:
                 elif command == "forget":
                     self._release(args[0], None)
                     CommonKVReceiver._close_endpoint(args[0])
+                elif command == "close_when_sent":
+                    if args[0] not in self._held:
+                        CommonKVReceiver._close_endpoint(args[0], linger_s=args[1])
                 elif command == "close_all":
                     for endpoint in list(self._held):
                         self._release(endpoint, zmq.ZMQError("sockets closed"))
@@ -3835,6 +3846,12 @@ class CommonKVManager(BaseKVManager):
         endpoints, rooms = self._orphaned_rooms.take(bootstrap_addr)
         if not rooms:
             return
+        with self.connection_lock:
+            in_use = {
+                (info.get("rank_ip"), str(info.get("rank_port")))
+                for infos in self.connection_pool.values()
+                for info in infos
+            }
         sender = CommonKVReceiver.start_push_sender()
         for ip, port in endpoints:
             for room in rooms:
@@ -3848,6 +3865,13 @@ class CommonKVManager(BaseKVManager):
                         generation=0,
                         reason=ORPHANED_ROOM_ABORT_REASON,
                     ).to_zmq(),
+                )
+            if (ip, str(port)) not in in_use:
+                # A prefill that came back with other rank ports (a restart)
+                # is never reached at these again: a kept socket would retry
+                # them for as long as this decode runs.
+                sender.close_when_sent(
+                    NetworkAddress(ip, port).to_tcp(), ORPHANED_ABORT_LINGER_S
                 )
         logger.info(
             f"Prefill {bootstrap_addr} answers again: asked it to drop "
@@ -4612,16 +4636,18 @@ class CommonKVReceiver(BaseKVReceiver):
         cls._close_endpoint(endpoint)
 
     @classmethod
-    def _close_endpoint(cls, endpoint: str):
+    def _close_endpoint(cls, endpoint: str, linger_s: float = 0):
         with cls._global_lock:
             sock = cls._socket_cache.pop(endpoint, None)
             lock = cls._socket_locks.pop(endpoint, None)
         if sock:
+            # close() does not wait for the linger: ZMQ's I/O thread does.
+            linger = int(linger_s * 1000) if linger_s else None
             if lock:
                 with lock:
-                    sock.close()
+                    sock.close(linger=linger)
             else:
-                sock.close()
+                sock.close(linger=linger)
             logger.debug(f"Disconnected stale ZMQ PUSH socket (receiver): {endpoint}")
 
     @classmethod
