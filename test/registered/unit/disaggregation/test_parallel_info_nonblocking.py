@@ -181,6 +181,21 @@ class TestTryEnsureParallelInfo(CustomTestCase):
         self.assertTrue(self.mgr.try_ensure_parallel_info(ADDR))
         self.assertEqual(len(fake.calls), 1)
 
+    def test_in_flight_reads_the_set_alone_on_a_plain_executor(self):
+        # parallel_info_fetch_in_flight bound onto this fixture, with its
+        # plain ThreadPoolExecutor: a set lookup, nothing else.
+        self.mgr.parallel_info_fetch_in_flight = MethodType(
+            CommonKVManager.parallel_info_fetch_in_flight, self.mgr
+        )
+        fake = self.patch_get(FakeGet("block"))
+        self.assertFalse(self.mgr.parallel_info_fetch_in_flight(ADDR))
+        self.assertFalse(self.mgr.try_ensure_parallel_info(ADDR))
+        self.assertTrue(fake.entered.wait(_WAIT_S))
+        self.assertTrue(self.mgr.parallel_info_fetch_in_flight(ADDR))
+        fake.release.set()
+        drain(self.mgr)
+        self.assertFalse(self.mgr.parallel_info_fetch_in_flight(ADDR))
+
     def test_repeated_calls_while_in_flight_issue_one_get(self):
         fake = self.patch_get(FakeGet("block"))
 

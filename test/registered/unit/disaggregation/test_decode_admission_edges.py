@@ -1,0 +1,423 @@
+"""The decode's admission at the edges: a prefill stuck for good, one
+restarted, a request larger than a share, ranks whose clocks differ, a slow
+but healthy prefill, and every path that ends a request whose prefill may
+still write into its pages.
+
+The real DecodePreallocQueue and DecodeTransferQueue run over simulated time
+(decode_sim.py): a prefill is a script of when a room's KV arrives. CPU-only,
+no sleeps, no wall-clock asserts; ranks run in lockstep through a barrier.
+"""
+
+import inspect
+import random
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+from decode_sim import Collectives, Prefill, Rank, World, patched, rooms, run_ranks
+
+from sglang.srt.disaggregation import decode as decode_mod
+from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.decode import DecodeTransferQueue
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+
+HEALTHY, STUCK = "10.0.0.1:8998", "10.0.0.2:8998"
+DT = 0.25  # seconds between scheduling cycles
+
+
+class SimTestCase(CustomTestCase):
+    def sim(self, prefills, ranks=1, offsets=None, **kwargs):
+        self.world = World(prefills)
+        self.collectives = Collectives(ranks)
+        self.ranks = [
+            Rank(self.world, clock_offset=(offsets or [0.0] * ranks)[i], **kwargs)
+            for i in range(ranks)
+        ]
+        if ranks > 1:
+            for rank in self.ranks:
+                # A group of more than one rank: the queues exchange what
+                # they exchange with it.
+                rank.prealloc.gloo_group = rank.transfer.gloo_group = object()
+        stack = patched(self.collectives, [r.clock for r in self.ranks])
+        self.addCleanup(stack.close)
+        return self.ranks[0]
+
+    def add(self, addr, prompt=400, priority=0):
+        room = next(rooms)
+        for rank in self.ranks:
+            rank.add(addr, room, prompt, priority)
+        return room
+
+    def run_for(self, seconds, every=None):
+        """Cycle every DT for ``seconds``; ``every(t)`` adds requests first."""
+        end = self.world.now + seconds
+        while self.world.now < end - 1e-9:
+            self.world.now = round(self.world.now + DT, 6)
+            if every is not None:
+                every(self.world.now)
+            run_ranks(self.ranks, self.collectives, lambda rank: rank.cycle())
+
+
+class TestStuckForGood(SimTestCase):
+    """Requirement B: a prefill stuck for good holds at most its share of
+    the decode's KV, pages of its ended requests included, however long it
+    stays stuck and however many requests the router sends it."""
+
+    TOKENS, SLOTS, TIMEOUT = 8192, 64, 30.0
+
+    def setUp(self):
+        super().setUp()
+        self.rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+            tokens=self.TOKENS,
+            slots=self.SLOTS,
+            waiting_timeout=self.TIMEOUT,
+        )
+        self.healthy_rooms = {}
+
+    def one_each_second(self, t):
+        if abs(t - round(t)) < 1e-9:
+            self.add(STUCK)
+            self.healthy_rooms[self.add(HEALTHY)] = t
+
+    def test_ten_minutes_stuck_hold_at_most_its_share(self):
+        share = self.TOKENS // 2
+        most = 0
+
+        def every(t):
+            nonlocal most
+            self.one_each_second(t)
+            most = max(most, self.rank.held_by(STUCK))
+
+        self.run_for(600, every)
+        self.assertLessEqual(most, share)
+        # What it holds now is all the pool is missing: the rest is free.
+        decoding = sum(req.kv.holds_tokens for _, req in self.rank.running)
+        free = self.rank.allocator.available_size()
+        self.assertGreaterEqual(free + decoding, self.TOKENS - share)
+        # The healthy prefill was served all along, each within seconds.
+        latency = {
+            room: self.rank.served[room] - t
+            for room, t in self.healthy_rooms.items()
+            if t < self.world.now - 5
+        }
+        self.assertEqual(len(latency), len(self.healthy_rooms) - 5)
+        self.assertLessEqual(max(latency.values()), 2.0)
+
+    def test_its_waiting_requests_end_by_the_waiting_timeout_naming_it(self):
+        added = {}
+
+        def every(t):
+            if abs(t - round(t)) < 1e-9 and t <= 120:
+                added[self.add(STUCK)] = t
+                self.add(HEALTHY)
+
+        self.run_for(120 + self.TIMEOUT + 2 * DT, every)
+        self.assertEqual(set(self.rank.waiting(STUCK)), set())
+        for room, t in added.items():
+            self.assertIn(room, self.rank.ended, room)
+        held_at_share = [
+            msg for room, msg in self.rank.ended.items() if room in added
+        ]
+        self.assertTrue(any(STUCK in msg for msg in held_at_share), held_at_share)
+
+    def test_a_prefill_restarted_at_the_same_address_starts_clean(self):
+        self.run_for(90, self.one_each_second)
+        self.assertGreater(self.rank.held_by(STUCK), 0)
+        # The heartbeat declares it failed (_handle_node_failure): its rooms
+        # fail, and it leaves the table. Then it answers again, a new
+        # process, and is fetched anew.
+        kv = self.rank.kv_manager
+        del kv.prefill_info_table[STUCK]
+        for r in self.rank.transfer.queue:
+            if r.kv_receiver.bootstrap_addr == STUCK:
+                kv.record_failure(r.req.bootstrap_room, "lost connection")
+                r.kv_receiver.conclude_state = KVPoll.Failed
+        self.run_for(31)
+        restarted = Prefill(STUCK, 0.5)
+        self.world.prefills[STUCK] = restarted
+        kv.prefill_info_table[STUCK] = restarted.info
+        for r in (*self.rank.prealloc.queue, *self.rank.transfer.queue):
+            r.kv_receiver.prefill = self.world.prefills[r.kv_receiver.bootstrap_addr]
+        self.run_for(5)
+        self.assertEqual(self.rank.held_by(STUCK), 0)
+        room = self.add(STUCK)
+        self.run_for(2)
+        self.assertIn(room, self.rank.served)
+
+
+class TestLargerThanAShare(SimTestCase):
+    """Requirement E: a request larger than its prefill's share is admitted
+    as 0.5.23 would, and the order of the queue is kept."""
+
+    def setUp(self):
+        super().setUp()
+        self.rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, 0.5)],
+            tokens=16384,
+            slots=64,
+            waiting_timeout=300.0,
+        )
+
+    def busy(self, t):
+        if abs(t * 2 - round(t * 2)) < 1e-9:  # 2 requests/s
+            self.add(HEALTHY)
+
+    def test_admitted_in_the_cycle_it_fits_while_another_prefill_is_busy(self):
+        self.run_for(10, self.busy)
+        big = self.add(STUCK, prompt=9000)
+        small = self.add(STUCK, prompt=100)
+        self.run_for(DT, self.busy)
+        self.assertIn(big, self.world.metadata_at)
+        self.run_for(2, self.busy)
+        self.assertIn(big, self.rank.served)
+        self.assertIn(small, self.rank.served)
+
+    def test_one_that_does_not_fit_yet_holds_back_the_queue_as_in_0_5_23(self):
+        self.world.prefills[HEALTHY].transfer_s = 20.0
+        self.run_for(10, self.busy)  # 20 x 464 of the healthy one in transfer
+        big = self.add(STUCK, prompt=9000)
+        later = self.add(HEALTHY)
+        self.run_for(DT)
+        self.assertNotIn(big, self.world.metadata_at)
+        # 0.5.23's break: nothing behind it is admitted ahead of it.
+        self.assertNotIn(later, self.world.metadata_at)
+        self.run_for(25)
+        self.assertIn(big, self.rank.served)
+        self.assertIn(later, self.rank.served)
+
+
+class TestPriority(SimTestCase):
+    def test_priority_order_across_prefills_is_kept(self):
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, 0.5)],
+            tokens=4096,
+            slots=64,
+            waiting_timeout=300.0,
+            priority=True,
+        )
+        rank.allocator.free_tokens = 1000  # room for two requests of 464
+        first = self.add(HEALTHY, priority=5)
+        urgent = self.add(STUCK, priority=0)
+        second = self.add(HEALTHY, priority=1)
+        self.run_for(DT)
+        self.assertEqual(
+            sorted(self.world.metadata_at, key=self.world.metadata_at.get),
+            [urgent, second],
+        )
+        self.assertNotIn(first, self.world.metadata_at)
+
+
+class TestRanksAgree(SimTestCase):
+    """Requirement D: every attention-TP rank admits exactly the same
+    requests, with clocks that read apart."""
+
+    def test_two_ranks_with_clocks_apart_admit_and_end_the_same(self):
+        # Seeded scenarios: a prefill that hangs and recovers, bursts from
+        # the other, prompts of three sizes; each rank reads its clock up to
+        # 100 us apart from the other's in every cycle.
+        for seed in (5, 6):
+            with self.subTest(seed=seed):
+                self.run_scenario(random.Random(seed))
+
+    def run_scenario(self, rnd):
+        self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+            ranks=2,
+            tokens=8192,
+            slots=64,
+            waiting_timeout=300.0,
+        )
+        rank0, rank1 = self.ranks
+        stuck = self.world.prefills[STUCK]
+
+        def every(t):
+            rank0.clock.offset = rnd.uniform(0, 1e-4)
+            rank1.clock.offset = rnd.uniform(0, 1e-4)
+            if rnd.random() < 0.02:
+                stuck.transfer_s = None if stuck.transfer_s else rnd.choice([0.5, 3.0])
+            if rnd.random() < 0.5:
+                self.add(STUCK, prompt=rnd.choice([100, 400, 1500]))
+            if rnd.random() < (0.9 if int(t / 20) % 2 else 0.05):
+                self.add(HEALTHY, prompt=rnd.choice([100, 400, 1500]))
+
+        def rooms_of(rank):
+            return (
+                [r.req.bootstrap_room for r in rank.prealloc.queue],
+                [r.req.bootstrap_room for r in rank.transfer.queue],
+                [e[0].req.bootstrap_room for e in rank.transfer._deferred_releases],
+                sorted(rank.ended),
+            )
+
+        while self.world.now < 150:
+            self.run_for(DT, every)
+            self.assertEqual(rooms_of(rank0), rooms_of(rank1), self.world.now)
+        self.assertGreater(len(rank0.served), 50)
+        self.doCleanups()
+
+
+class TestSlowButHealthy(SimTestCase):
+    """Requirement A: a healthy prefill is never failed earlier than 0.5.23
+    would fail it, however long its transfers take within the waiting
+    timeout, and however long between them."""
+
+    def test_a_transfer_longer_than_every_other_bound_is_served(self):
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, 290.0)],
+            tokens=8192,
+            slots=64,
+            waiting_timeout=300.0,
+        )
+        slow = self.add(STUCK, prompt=4000)
+        self.run_for(295, lambda t: t % 2 == 0 and self.add(HEALTHY))
+        self.assertIn(slow, rank.served)
+        self.assertNotIn(slow, rank.ended)
+
+    def test_gaps_between_transfers_longer_than_ten_seconds(self):
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, 12.0)],
+            tokens=8192,
+            slots=64,
+            waiting_timeout=300.0,
+        )
+        slow = []
+
+        def every(t):
+            if abs(t % 15) < 1e-9:
+                slow.append(self.add(STUCK))
+            if abs(t - round(t)) < 1e-9:
+                self.add(HEALTHY)
+
+        self.run_for(240, every)
+        self.assertEqual([r for r in slow if r in rank.ended], [])
+        self.assertEqual(len([r for r in slow if r in rank.served]), len(slow) - 1)
+
+
+class TestFencedWhileItMayWrite(SimTestCase):
+    """Requirement C: no page is reused while the prefill of a request that
+    ended may still write into it: on the waiting timeout, a client abort,
+    with deferred release on or off. It is released once the prefill
+    acknowledges the abort, is declared failed, or has served another of
+    this decode's transfers since (with 0.5.23's release timeout passed)."""
+
+    def setup_sim(self, deferred_release=True, acks=False, transfer_s=None):
+        return self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, transfer_s, acks=acks)],
+            tokens=8192,
+            slots=64,
+            waiting_timeout=30.0,
+            deferred_release=deferred_release,
+        )
+
+    def held_after(self, rank, end_it, seconds=300):
+        room = self.add(STUCK)
+        self.run_for(1)
+        self.assertIn(room, self.world.metadata_at)
+        end_it(room)
+        self.run_for(seconds)
+        self.assertIn(room, rank.ended)
+        return rank.held_by(STUCK)
+
+    def test_the_waiting_timeout(self):
+        rank = self.setup_sim()
+        self.assertEqual(self.held_after(rank, lambda room: None), 400)
+
+    def test_a_client_abort(self):
+        rank = self.setup_sim()
+        self.assertEqual(self.held_after(rank, rank.client_abort), 400)
+
+    def test_deferred_release_off(self):
+        rank = self.setup_sim(deferred_release=False)
+        self.assertEqual(self.held_after(rank, lambda room: None), 400)
+        rank2 = self.setup_sim(deferred_release=False)
+        self.assertEqual(self.held_after(rank2, rank2.client_abort), 400)
+
+    def test_released_when_the_prefill_is_declared_failed(self):
+        rank = self.setup_sim()
+        self.assertEqual(self.held_after(rank, lambda room: None, 60), 400)
+        del rank.kv_manager.prefill_info_table[STUCK]
+        self.run_for(1)
+        self.assertEqual(rank.held_by(STUCK), 0)
+
+    def test_a_healthy_prefill_that_acknowledges_is_released_at_once(self):
+        rank = self.setup_sim(acks=True, transfer_s=20.0)
+        self.assertEqual(self.held_after(rank, rank.client_abort, 1), 0)
+
+    def test_one_that_does_not_acknowledge_once_it_served_another(self):
+        for deferred in (True, False):
+            with self.subTest(deferred_release=deferred):
+                rank = self.setup_sim(deferred, acks=False, transfer_s=20.0)
+                self.assertEqual(self.held_after(rank, rank.client_abort, 29), 400)
+                later = self.add(STUCK)
+                self.run_for(25)
+                self.assertIn(later, rank.served)
+                self.assertEqual(rank.held_by(STUCK), 0)
+
+
+class TestUpstreamShapes(CustomTestCase):
+    """The transfer queue's deferred releases on upstream's minimal fakes:
+    a request that only has what 0.5.23 reads of it is released at the
+    timeout, as 0.5.23 releases it."""
+
+    def test_a_minimal_request_is_released_at_the_timeout(self):
+        released = []
+        queue = DecodeTransferQueue.__new__(DecodeTransferQueue)
+        queue.gloo_group = None
+        queue.enable_host_receive = False
+        queue.deferred_kv_release_timeout = 30.0
+        queue.scheduler = SimpleNamespace(
+            metrics_reporter=SimpleNamespace(enable_metrics=False)
+        )
+        queue._do_release = lambda decode_req, idx: released.append(decode_req)
+        kv_mgr = SimpleNamespace(is_abort_release_safe=lambda room, acks: False)
+        decode_req = SimpleNamespace(
+            req=SimpleNamespace(bootstrap_room=7),
+            kv_receiver=SimpleNamespace(kv_mgr=kv_mgr),
+        )
+        queue._deferred_releases = [(decode_req, 0.0, 30.0, 3, 1)]
+        clock = SimpleNamespace(monotonic=lambda: 31.0)
+        with mock.patch.object(decode_mod, "time", clock), mock.patch.object(
+            decode_mod, "all_reduce_flags", lambda flags, group, op: flags
+        ):
+            queue.resolve_deferred_releases()
+        self.assertEqual(released, [decode_req])
+
+
+class TestNoNewCollective(SimTestCase):
+    """Requirement F: no collective per cycle beyond 0.5.23's. 0.5.23's
+    pop_preallocated exchanges only the receivers' polls."""
+
+    def test_pop_preallocated_adds_no_all_reduce(self):
+        self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, 0.5)],
+            ranks=2,
+            tokens=8192,
+            slots=64,
+            waiting_timeout=30.0,
+        )
+        calls = []
+        reduce = decode_mod.all_reduce_flags
+
+        def record(*args, **kwargs):
+            frames = {f.function for f in inspect.stack()}
+            if "pop_preallocated" in frames:
+                calls.append(sorted(frames & {"pop_preallocated"}))
+            return reduce(*args, **kwargs)
+
+        patcher = mock.patch.object(decode_mod, "all_reduce_flags", record)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+        def every(t):
+            self.add(HEALTHY)
+            self.add(STUCK)
+
+        self.run_for(5, every)
+        self.assertEqual(calls, [])
+
+
+if __name__ == "__main__":
+    unittest.main()
