@@ -5,10 +5,11 @@ The series lives in the checkout's ``patches/``: ``patches/series`` lists the
 at sglang v0.5.23, in order, the patches give byte for byte the checkout's
 ``python/sglang/srt/disaggregation/`` files and its unit tests under
 ``test/registered/unit/disaggregation/``; ``check()`` proves it and
-``tests/test_patch_series.py`` runs every prefix's tests. Editing the patch
-means editing the series too: ``python3 dev.py series edit DIR`` makes a git
-repository with one commit per patch, ``python3 dev.py series save DIR``
-writes it back (patches and files).
+``tests/test_patch_series.py`` runs, at every prefix, the unit tests that its
+last patch touches (``touched()``). Editing the patch means editing the series
+too: ``python3 dev.py series edit DIR`` makes a git repository with one commit
+per patch, ``python3 dev.py series save DIR`` writes it back (patches and
+files).
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ def read_series(checkout: Path) -> list[Path]:
             f"{directory / 'series'} lists missing patches: {missing or 'none'}"
         )
     return paths
+
+
+def touched(patch: Path) -> list[str]:
+    """The repository paths ``patch`` adds, changes or deletes, in its order:
+    the new side of its ``diff --git a/OLD b/NEW`` lines."""
+    prefix = "diff --git a/"
+    # The message ends at the first "---" line (as for git am); a line of it
+    # that quotes a diff header is not a file of the patch.
+    message, sep, diff = patch.read_text(encoding="utf-8").partition("\n---\n")
+    diff = diff if sep else message
+    return [
+        line[len(prefix) :].rpartition(" b/")[2]
+        for line in diff.splitlines()
+        if line.startswith(prefix)
+    ]
 
 
 def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess:

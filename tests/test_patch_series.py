@@ -1,10 +1,14 @@
-"""The patch series in patches/: every prefix applies at sglang 0.5.23 and its
-unit tests pass there; the whole series gives the checkout's files, the same
-as the single-diff export; export --series refuses a dirty or drifted tree.
+"""The patch series in patches/: every prefix applies at sglang 0.5.23 and the
+unit tests its last patch touches pass there (a prefix whose last patch touches
+none imports the five patched modules); the whole series gives the checkout's
+files, the same as the single-diff export; export --series refuses a dirty or
+drifted tree.
 
 Runs in the cached env (python3 dev.py test): the 0.5.23 files come from the
 checkout's root commit, and each prefix's sglang is a copy of the env's, with
-the five disaggregation files of that prefix.
+the five disaggregation files of that prefix. The whole unit-test directory runs
+once, on the checkout's files, in the same pytest run (dev.py test collects
+it), so a later patch that breaks an earlier one's tests fails there.
 """
 
 import os
@@ -19,6 +23,30 @@ from pd_patch_util import REPO
 from sglang_pd_patch import core, export, series
 
 PATCHES = series.read_series(REPO)
+DISAGG = Path("sglang", "srt", "disaggregation")
+MODULES = [
+    ".".join(DISAGG.parts + Path(rel).with_suffix("").parts)
+    for rel in core.load_manifest().files
+]
+# mori is AMD only: stubbed, as the unit tests do, unless it is installed; any
+# name mori/conn.py imports from it is a class.
+IMPORT_CHECK = """
+import importlib, importlib.util, sys, types
+
+def stub_name(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return type(name, (), {})
+
+if importlib.util.find_spec("mori") is None:
+    for name in ("mori", "mori.cpp", "mori.io"):
+        sys.modules[name] = types.ModuleType(name)
+        sys.modules[name].__getattr__ = stub_name
+    sys.modules["mori"].cpp = sys.modules["mori.cpp"]
+    sys.modules["mori"].io = sys.modules["mori.io"]
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -27,33 +55,57 @@ def variant(tmp_path_factory):
     import sglang
 
     root = tmp_path_factory.mktemp("series-variant")
-    shutil.copytree(
-        Path(sglang.__file__).parent,
-        root / "sglang",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
+    # With the env's .pyc files (copy2 keeps the mtimes they are checked
+    # against): a prefix's process need not compile sglang again, the more so
+    # under PYTHONDONTWRITEBYTECODE.
+    shutil.copytree(Path(sglang.__file__).parent, root / "sglang")
     return root
 
 
-@pytest.mark.parametrize("upto", range(1, len(PATCHES) + 1))
+def own_tests(patch: Path, tree: Path) -> list[str]:
+    """The unit test files ``patch`` adds or changes (not those it deletes)."""
+    return [
+        rel
+        for rel in series.touched(patch)
+        if rel.startswith(core.REPO_TEST_SUBDIR + "/")
+        and Path(rel).name.startswith("test_")
+        and rel.endswith(".py")
+        and (tree / rel).is_file()
+    ]
+
+
+@pytest.mark.parametrize(
+    "upto", range(1, len(PATCHES) + 1), ids=[p.stem for p in PATCHES]
+)
 def test_each_prefix_applies_and_its_unit_tests_pass(upto, variant, tmp_path):
     applied = series.build_tree(tmp_path, REPO, upto=upto)
     assert [p.name for p in applied] == [p.name for p in PATCHES[:upto]]
     for rel in core.load_manifest().files:
-        shutil.copyfile(
-            tmp_path / core.REPO_DISAGG_SUBDIR / rel,
-            variant / "sglang" / "srt" / "disaggregation" / rel,
-        )
+        target = variant / DISAGG / rel
+        shutil.copyfile(tmp_path / core.REPO_DISAGG_SUBDIR / rel, target)
+        # A .pyc of the previous prefix's file would pass for this one's if
+        # both have the same size and mtime second.
+        for pyc in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
+            pyc.unlink()
     env = dict(os.environ, PYTHONPATH=str(variant), SGLANG_TEST_MAX_RETRY="0")
+    tests = own_tests(PATCHES[upto - 1], tmp_path)
+    if tests:
+        # Just this patch's own tests (and the helpers they import): the whole
+        # directory runs on the checkout's files in the main pytest run.
+        cmd = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings"]
+        cmd += tests
+    else:
+        cmd = ["-c", IMPORT_CHECK, *MODULES]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        + ["-p", "no:warnings", core.REPO_TEST_SUBDIR],
+        [sys.executable, *cmd],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 0, f"{PATCHES[upto - 1].name}:\n{proc.stdout[-4000:]}"
+    ran = " ".join(tests) or "import " + " ".join(MODULES)
+    out = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, f"{PATCHES[upto - 1].name}: {ran}\n{out}"
 
 
 def test_the_series_gives_the_checkouts_files_and_the_single_diff(tmp_path):
