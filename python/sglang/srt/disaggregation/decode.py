@@ -20,28 +20,15 @@ Life cycle of a request in the decode server
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import logging
-import operator
 import random
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Callable,
-    Dict,
-    FrozenSet,
-    List,
-    Optional,
-    Set,
-    Tuple,
-)
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -58,10 +45,9 @@ from sglang.srt.disaggregation.checksum import (
     state_indices_for_request,
 )
 from sglang.srt.disaggregation.common.conn import (
+    BOOTSTRAP_QUERY_TIMEOUT_S,
     CommonKVManager,
     CommonKVReceiver,
-    _env_float,
-    bootstrap_fetch_overdue,
 )
 from sglang.srt.disaggregation.decode_hicache_mixin import (
     DecodeHiCachePreallocMixin,
@@ -170,14 +156,7 @@ CLIP_MAX_NEW_TOKEN = envs.SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION.get()
 
 def _bootstrap_addr(req: Req) -> str:
     # FIXME: make a property of a req
-    return _host_port_str(req.bootstrap_host, req.bootstrap_port)
-
-
-@functools.lru_cache(maxsize=4096)
-def _host_port_str(host, port) -> str:
-    # Parsing costs ~30 us, and admission asks for every waiting request on
-    # every cycle.
-    return NetworkAddress(host, port).to_host_port_str()
+    return NetworkAddress(req.bootstrap_host, req.bootstrap_port).to_host_port_str()
 
 
 def _bind_root_prefix(req: Req, tree_cache: BasePrefixCache) -> None:
@@ -399,11 +378,8 @@ class DecodeRequest:
     hicache_restore_lock: Optional[TreeLock] = None
     hicache_load_consumer_index: int = -1
     hicache_restore_status: HiCacheRestoreResult = HiCacheRestoreResult.PENDING
-    # Ended because its prefill made no progress (see _PrefillAdmission): the
-    # prefill's PrefillServerInfo then, or True; and whether its KV is held
-    # past the deferred release timeout for it.
-    given_up: Any = False
-    fenced: bool = False
+    # Since when its prefill has been held at its share (_PrefillShares).
+    held_since: Optional[float] = None
 
     @property
     def seqlen(self) -> int:
@@ -419,168 +395,40 @@ def _kv_pool_on_host(pool) -> bool:
     return str(getattr(pool, "device", "")).split(":", 1)[0] == "cpu"
 
 
-class _PendingPrefill:
-    """The pending requests of one prefill, in arrival order, and whether a
-    cycle must look at them again (see DecodePreallocQueue._sync_pending_index)."""
-
-    __slots__ = ("reqs", "fresh", "dp_recheck_at")
-
-    def __init__(self):
-        self.reqs: List[DecodeRequest] = []
-        # Has requests no cycle has looked at yet (or its info just landed).
-        self.fresh = True
-        # When a room not answered by the prefill is due to be asked again.
-        self.dp_recheck_at = 0.0
+# Admissions over which a prefill counts as one sending this decode requests
+# (see _PrefillShares): enough for every prefill of a large fleet to appear.
+PREFILL_SHARE_WINDOW = 1024
 
 
-# A prefill holding KV on this decode for transfers that have not arrived,
-# none of which ended for this long, is stuck. Keep it above the longest
-# prefill one request may take.
-SGLANG_DISAGGREGATION_STUCK_PREFILL_TIMEOUT = _env_float(
-    "SGLANG_DISAGGREGATION_STUCK_PREFILL_TIMEOUT", 10.0
-)
-# After this long without progress, its requests end with a retryable error.
-# Keep it below the router's request timeout.
-SGLANG_DISAGGREGATION_STUCK_PREFILL_GIVE_UP_TIMEOUT = _env_float(
-    "SGLANG_DISAGGREGATION_STUCK_PREFILL_GIVE_UP_TIMEOUT", 30.0
-)
+class _PrefillShares:
+    """What each prefill's requests hold of this decode's KV tokens and
+    metadata slots without their KV having arrived: in transfer, or held after
+    they ended while that prefill may still write into their pages. Each
+    prefill may hold its share: the decode's tokens and slots over the
+    prefills that hold some or had a request admitted among the last
+    PREFILL_SHARE_WINDOW. A request of a prefill that holds nothing is
+    admitted as 0.5.23 admits it, though it may be larger than any share; so a
+    prefill whose scheduler hangs for good holds at most its share, or one
+    request, however long and whatever is sent to it.
 
+    Built from the queues alone, which every attention-TP rank and PP stage
+    holds alike: every rank decides alike, with no collective and no clock."""
 
-class _PrefillAdmission:
-    """What one prefill's transfers that have not arrived may hold of this
-    decode's KV and metadata slots, so that they never starve another
-    prefill's requests.
-
-    - A prefill holding reservations of which none ended (KV arrived) for
-      stuck_s is stuck: its scheduler may hang while its bootstrap server,
-      which the heartbeat probes, answers. Or it may only have lost one
-      request (a prefill leg lost at its HTTP server), so it gets KV for one
-      request at a time (a probe), and what it holds counts as no decode
-      headroom. The first of its transfers that ends unmarks it, as does
-      holding nothing any more. After give_up_s without progress its requests
-      end, and the KV it held stays fenced until it acknowledges their abort.
-    - While another prefill has a request waiting, a prefill may hold at
-      most its share: the decode's tokens and slots over the prefills that
-      hold some or wait for some, or did within stuck_s. So may a prefill
-      none of whose transfers ended within proven_s, between another active
-      prefill's requests: it may be stuck already, and would take what their
-      next one needs. Alone, a prefill has no cap.
-
-    A skipped prefill's requests are all skipped in that cycle, so FIFO holds
-    within a prefill; other requests keep 0.5.23's order and its break."""
-
-    # A busy prefill's transfers end more often than this.
-    proven_s = 1.0
-
-    def __init__(self, stuck_s: float, give_up_s: float):
-        self.stuck_s = stuck_s
-        self.give_up_s = max(give_up_s, stuck_s)
-        # Prefill -> since when none of its transfers ended (while it held any).
-        self.idle_since: Dict[str, float] = {}
-        # Stuck prefill -> when it was marked.
-        self.stuck: Dict[str, float] = {}
-        # This cycle: prefill -> [requests, tokens] its transfers hold; the
-        # decode's (tokens, slots); the prefills with requests waiting for
-        # KV, and those that hold some or wait.
-        self.held: Dict[str, List[int]] = {}
-        self.capacity: Tuple[int, int] = (0, 0)
-        self.waiting: Set[str] = set()
-        self.demand: Set[str] = set()
-        self.now = 0.0
-        # Prefill -> when it last held KV or waited for it (kept stuck_s), and
-        # when one of its transfers last ended (kept proven_s).
-        self.demand_at: Dict[str, float] = {}
-        self.progress_at: Dict[str, float] = {}
-        # Stuck prefill -> the fewest requests it held since it was marked:
-        # holding more, it has a probe out. Prefills probed this cycle.
-        self.held_at_mark: Dict[str, int] = {}
-        self.probed: Set[str] = set()
-
-    def progress(self, bootstrap_addr: str, now: float) -> None:
-        """A transfer of ``bootstrap_addr`` ended: its KV arrived."""
-        self.progress_at[bootstrap_addr] = now
-        if bootstrap_addr in self.idle_since:
-            self.idle_since[bootstrap_addr] = now
-        marked = self.stuck.pop(bootstrap_addr, None)
-        self.held_at_mark.pop(bootstrap_addr, None)
-        if marked is not None:
-            logger.info(
-                f"Prefill {bootstrap_addr} makes progress again after "
-                f"{now - marked:.1f} s marked stuck: its requests get KV again."
-            )
-
-    def update(self, held: Dict[str, List[int]], now: float) -> List[str]:
-        """Take this cycle's holdings; the prefills to give up on now."""
+    def __init__(self, held: Dict[str, List[int]], prefills: int, tokens, slots):
         self.held = held
-        self.now = now
-        for addr in [
-            a for a, t in self.progress_at.items() if now - t >= self.proven_s
-        ]:
-            del self.progress_at[addr]
-        self.probed = set()
-        for addr in [a for a in self.idle_since if a not in held]:
-            del self.idle_since[addr]
-            self.held_at_mark.pop(addr, None)
-            if self.stuck.pop(addr, None) is not None:
-                logger.info(
-                    f"Prefill {addr} holds nothing on this decode any more (its "
-                    f"transfers ended without KV): no longer marked stuck."
-                )
-        give_up = []
-        for addr, (reqs, tokens) in held.items():
-            idle = now - self.idle_since.setdefault(addr, now)
-            if idle >= self.stuck_s and addr not in self.stuck:
-                self.stuck[addr] = now
-                logger.warning(
-                    f"Prefill {addr} is stuck: none of the {reqs} transfer(s) it "
-                    f"holds on this decode ({tokens} tokens of KV and headroom) "
-                    f"has ended for {idle:.1f} s, though its bootstrap server "
-                    f"answers (a hung scheduler?). Its requests get KV one at a "
-                    f"time until one ends; after {self.give_up_s:.0f} s they end "
-                    f"so that they can be retried on another prefill."
-                )
-            if addr in self.stuck:
-                self.held_at_mark[addr] = min(self.held_at_mark.get(addr, reqs), reqs)
-            if idle >= self.give_up_s:
-                give_up.append(addr)
-        return give_up
+        self.tokens = tokens // prefills
+        self.slots = slots // prefills
 
-    def probe_out(self, bootstrap_addr: str) -> bool:
-        """A stuck prefill holds a request given KV since it was marked."""
-        reqs = self.held.get(bootstrap_addr, (0, 0))[0]
-        return reqs > self.held_at_mark.get(bootstrap_addr, reqs)
+    def over(self, bootstrap_addr: str, tokens: int) -> bool:
+        held = self.held.get(bootstrap_addr)
+        return held is not None and (
+            held[0] + tokens > self.tokens or held[1] + 1 > self.slots
+        )
 
-    def recent(self, demand: Set[str]) -> Set[str]:
-        """``demand`` (prefills that hold KV or wait for it now) and those
-        that did within stuck_s: one between two requests still counts."""
-        for addr in demand:
-            self.demand_at[addr] = self.now
-        for addr in [
-            a for a, t in self.demand_at.items() if self.now - t >= self.stuck_s
-        ]:
-            del self.demand_at[addr]
-        return set(self.demand_at)
-
-    def hold(self, decode_req: DecodeRequest, tokens: int) -> None:
-        """A request of this cycle was given KV."""
-        entry = self.held.setdefault(_bootstrap_addr(decode_req.req), [0, 0])
-        entry[0] += 1
-        entry[1] += tokens
-
-    def over_share(self, bootstrap_addr: str, tokens: int) -> bool:
-        """Whether one more request of ``tokens`` would take
-        ``bootstrap_addr`` past its share of this cycle's capacity (tokens,
-        slots), while another prefill has a request waiting, or has had one
-        lately and none of this prefill's transfers ended lately."""
-        if not self.waiting - {bootstrap_addr} and (
-            not self.demand - {bootstrap_addr} or bootstrap_addr in self.progress_at
-        ):
-            return False
-        reqs, held_tokens = self.held.get(bootstrap_addr, (0, 0))
-        prefills = len(self.demand | {bootstrap_addr})
-        tokens_cap, slots_cap = self.capacity
-        too_many_tokens = (held_tokens + tokens) * prefills > tokens_cap
-        return too_many_tokens or (reqs + 1) * prefills > slots_cap
+    def hold(self, bootstrap_addr: str, tokens: int) -> None:
+        held = self.held.setdefault(bootstrap_addr, [0, 0])
+        held[0] += tokens
+        held[1] += 1
 
 
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
@@ -588,21 +436,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     Store the requests that are preallocating.
     """
 
-    # pending_reqs by prefill as the last cycle saw them, and a copy of the
-    # list it was built from (see _sync_pending_index).
-    _pending_by_addr: Optional[Dict[str, _PendingPrefill]] = None
-    _pending_seen: Tuple = ()
-    # Per-prefill admission (see _PrefillAdmission), made on first use, and
-    # the prefills whose requests get no KV and hold no decode headroom this
-    # cycle: missed by the heartbeat, or stuck (see _update_held_back).
-    _admission: Optional[_PrefillAdmission] = None
-    _held_back: FrozenSet[str] = frozenset()
-    # Of those, the stuck ones with no probe out (see _probe).
-    _probe_ok: FrozenSet[str] = frozenset()
-    # The state log (see _log_disaggregation_state).
-    _state_logged_at: Optional[float] = None
-    _state_log_interval: float = 0.0
-    _state_logged: Optional[Dict[str, int]] = None
+    # The prefills of the last PREFILL_SHARE_WINDOW admissions, in order, and
+    # how often each appears in them (see _PrefillShares); made on first use.
+    _recent_prefills: Optional[deque] = None
+    _recent_prefill_counts: Optional[Dict[str, int]] = None
 
     def __init__(
         self,
@@ -652,8 +489,6 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self._prefill_dp_rank_queries: Dict[
             str, Tuple[Tuple[int, ...], Future[Dict[str, int]]]
         ] = {}
-        # Retry bookkeeping of the background fetches: by bootstrap_addr for
-        # parallel info, by (bootstrap_addr, bootstrap_room) for a dp rank.
         self._ensure_retry_count: Dict[str, int] = {}
         self._max_ensure_retries: int = 15  # fetch attempts
         self._ensure_last_attempt_time: Dict[str, float] = {}
@@ -1428,8 +1263,13 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 continue
 
             if self.kv_manager.parallel_info_fetch_in_flight(bootstrap_addr):
-                remaining.extend(reqs)
-                continue
+                last_attempt = self._ensure_last_attempt_time.get(bootstrap_addr, now)
+                if now - last_attempt < BOOTSTRAP_QUERY_TIMEOUT_S:
+                    remaining.extend(reqs)
+                    continue
+                # requests' timeout bounds each read, not the total: a peer
+                # that trickles holds the fetch. Count it as a failed attempt.
+                self.kv_manager.abandon_parallel_info_fetch(bootstrap_addr)
 
             # No fetch is outstanding, so every attempt counted has ended.
             count = self._ensure_retry_count.get(bootstrap_addr, 0)
@@ -1441,28 +1281,17 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                     continue
                 error_msg = f"Could not fetch prefill parallel info from {bootstrap_addr} after {count} attempts"
                 logger.error(error_msg)
-                failure_reason = (
-                    f"{error_msg}. Check that the prefill server is up and that "
-                    f"its bootstrap server is reachable from this decode server; "
-                    f"the decode log has the error of each attempt."
-                )
                 for decode_req in reqs:
                     # kv_receiver may be None from a prior self.queue cleanup
                     if decode_req.kv_receiver is not None:
                         decode_req.kv_receiver.abort()
                         # abort() records "Aborted by AbortReq."; keep the cause.
                         self.kv_manager.record_failure(
-                            decode_req.kv_receiver.bootstrap_room, failure_reason
+                            decode_req.kv_receiver.bootstrap_room,
+                            f"{error_msg}. Check that the prefill server is up and "
+                            f"that its bootstrap server is reachable from this "
+                            f"decode server.",
                         )
-                # The prefill may hold these too, once it answers again.
-                self.kv_manager.remember_orphaned_rooms(
-                    bootstrap_addr,
-                    [
-                        decode_req.kv_receiver.bootstrap_room
-                        for decode_req in reqs
-                        if decode_req.kv_receiver is not None
-                    ],
-                )
                 self._clear_ensure_state(bootstrap_addr)
                 continue
 
@@ -1491,42 +1320,93 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self._ensure_last_attempt_time.pop(key, None)
 
     def _drop_idle_ensure_state(self) -> None:
-        """A retry budget lasts as long as a pending request needs it, however
-        the last one left: a later request starts with a fresh budget."""
+        """Drop the retry bookkeeping of requests that left the pending list
+        another way (an abort): a later request starts with a fresh budget.
+        Looked for only when there are more entries than pending requests, each
+        of which has at most one (its room's, or its prefill's, shared)."""
+        keys = self._ensure_retry_count.keys() | self._ensure_last_attempt_time.keys()
+        if len(keys) <= len(self.pending_reqs):
+            return
         live = set()
         for decode_req in self.pending_reqs:
             bootstrap_addr = _bootstrap_addr(decode_req.req)
             live.add(bootstrap_addr)
             live.add((bootstrap_addr, decode_req.req.bootstrap_room))
-        for key in set(self._ensure_retry_count) | set(self._ensure_last_attempt_time):
-            if key not in live:
-                self._clear_ensure_state(key)
+        for key in keys - live:
+            self._clear_ensure_state(key)
 
-    def _dp_rank_query_due(
-        self, bootstrap_addr: str, decode_req: DecodeRequest, now: float
-    ) -> bool:
-        """Whether a pending request's room goes into the next dp-rank query:
-        asked at most once per retry interval and within its budget."""
-        key = (bootstrap_addr, decode_req.req.bootstrap_room)
-        if self._ensure_retry_count.get(key, 0) >= self._max_ensure_retries:
-            return False
-        last_attempt = self._ensure_last_attempt_time.get(key)
-        return last_attempt is None or now - last_attempt >= self._ensure_retry_interval
-
-    def _submit_prefill_dp_rank_query(
+    def _query_prefill_dp_ranks(
         self, bootstrap_addr: str, decode_reqs: List[DecodeRequest], now: float
     ) -> None:
-        rooms = tuple(decode_req.req.bootstrap_room for decode_req in decode_reqs)
-        for room in rooms:
-            key = (bootstrap_addr, room)
-            self._ensure_last_attempt_time[key] = now
-            self._ensure_retry_count[key] = self._ensure_retry_count.get(key, 0) + 1
+        """Ask ``bootstrap_addr`` for the dp rank of those rooms that need one,
+        on a background thread. A room is asked at most once per retry
+        interval: a prefill that has not registered it yet would otherwise
+        get a query every cycle."""
+        rooms = []
+        for decode_req in decode_reqs:
+            if self._resolve_prefill_dp_rank(decode_req.req) is not None:
+                continue
+            key = (bootstrap_addr, decode_req.req.bootstrap_room)
+            last_attempt = self._ensure_last_attempt_time.get(key)
+            if (
+                last_attempt is None
+                or now - last_attempt >= self._ensure_retry_interval
+            ):
+                rooms.append(decode_req.req.bootstrap_room)
+                self._ensure_last_attempt_time[key] = now
+                self._ensure_retry_count[key] = self._ensure_retry_count.get(key, 0) + 1
+        if not rooms:
+            return
         future = self.kv_manager._ensure_prefill_recompute_executor().submit(
-            CommonKVReceiver.query_prefill_dp_ranks,
-            bootstrap_addr,
-            list(rooms),
+            CommonKVReceiver.query_prefill_dp_ranks, bootstrap_addr, rooms
         )
-        self._prefill_dp_rank_queries[bootstrap_addr] = (rooms, future)
+        self._prefill_dp_rank_queries[bootstrap_addr] = (tuple(rooms), future)
+
+    def _take_prefill_dp_ranks(self, bootstrap_addr: str, now: float) -> Dict:
+        """The answer of ``bootstrap_addr``'s dp-rank query once it has landed.
+        Never waits: a query still running is looked at again next cycle, and
+        one running for longer than any answer takes is dropped."""
+        query = self._prefill_dp_rank_queries.get(bootstrap_addr)
+        if query is None:
+            return {}
+        rooms, future = query
+        if not future.done():
+            asked_at = self._ensure_last_attempt_time.get((bootstrap_addr, rooms[0]))
+            if asked_at is None or now - asked_at < BOOTSTRAP_QUERY_TIMEOUT_S:
+                return {}
+            logger.warning(
+                f"Prefill dp-rank query to {bootstrap_addr} has not ended "
+                f"{BOOTSTRAP_QUERY_TIMEOUT_S} s after it was sent; asking again."
+            )
+            future.cancel()
+        del self._prefill_dp_rank_queries[bootstrap_addr]
+        if not future.done() or future.cancelled():
+            return {}
+        try:
+            return future.result()
+        except Exception:
+            logger.exception(f"Prefill dp-rank query to {bootstrap_addr} failed")
+            return {}
+
+    def _abort_unregistered_room(
+        self, bootstrap_addr: str, decode_req: DecodeRequest
+    ) -> None:
+        room = decode_req.req.bootstrap_room
+        attempts = self._ensure_retry_count.get((bootstrap_addr, room), 0)
+        self._clear_ensure_state((bootstrap_addr, room))
+        error_msg = (
+            f"Could not fetch the prefill dp rank of bootstrap_room {room} from "
+            f"{bootstrap_addr} after {attempts} attempts"
+        )
+        logger.error(error_msg)
+        # kv_receiver may be None from a prior self.queue cleanup
+        if decode_req.kv_receiver is not None:
+            decode_req.kv_receiver.abort()
+            self.kv_manager.record_failure(
+                room,
+                f"{error_msg}: the prefill does not know this request. Check "
+                f"that the request reached that prefill server.",
+            )
 
     def prefetch_prefill_dp_rank_queries(self) -> None:
         """Start DP-rank lookups before their normal consume point."""
@@ -1534,99 +1414,25 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             return
 
         queries = self._prefill_dp_rank_queries
-        pending = self._sync_pending_index()
 
-        for bootstrap_addr in [addr for addr in queries if addr not in pending]:
+        addr_to_reqs: Dict[str, List[DecodeRequest]] = {}
+        for decode_req in self.pending_reqs:
+            addr = _bootstrap_addr(decode_req.req)
+            addr_to_reqs.setdefault(addr, []).append(decode_req)
+
+        for bootstrap_addr in set(queries) - set(addr_to_reqs):
             _, stale_future = queries.pop(bootstrap_addr)
             stale_future.cancel()
 
         now = time.monotonic()
-        for bootstrap_addr, entry in pending.items():
+        for bootstrap_addr, decode_reqs in addr_to_reqs.items():
             if bootstrap_addr in queries:
                 continue
             if self.kv_manager.prefill_info_table.get(bootstrap_addr) is None:
                 continue
-            # Nothing new for this prefill, and no room due again yet.
-            if not entry.fresh and now < entry.dp_recheck_at:
-                continue
-
-            due = [
-                decode_req
-                for decode_req in entry.reqs
-                if self._resolve_prefill_dp_rank(decode_req.req) is None
-                and self._dp_rank_query_due(bootstrap_addr, decode_req, now)
-            ]
-            if due:
-                self._submit_prefill_dp_rank_query(bootstrap_addr, due, now)
-
-    def _sync_pending_index(self) -> Dict[str, _PendingPrefill]:
-        """The pending requests by prefill, kept from cycle to cycle so that a
-        cycle only looks again at what changed. Callers append to, assign and
-        reorder ``pending_reqs`` directly, so the list is compared, element by
-        element and by identity, with a copy of the one the index was built
-        from: requests appended since are added; any other change rebuilds
-        the index. The comparison is one pass in C, not a walk per request."""
-        pending = self.pending_reqs
-        by_addr = self._pending_by_addr
-        seen = self._pending_seen
-        if (
-            by_addr is not None
-            and len(pending) >= len(seen)
-            and all(map(operator.is_, pending, seen))
-        ):
-            new = pending[len(seen) :]
-        else:
-            by_addr = self._pending_by_addr = {}
-            new = pending
-            self._drop_idle_ensure_state()
-        for decode_req in new:
-            bootstrap_addr = _bootstrap_addr(decode_req.req)
-            entry = by_addr.get(bootstrap_addr)
-            if entry is None:
-                entry = by_addr[bootstrap_addr] = _PendingPrefill()
-            entry.reqs.append(decode_req)
-            entry.fresh = True
-        if new:
-            self._note_pending_seen()
-        return by_addr
-
-    def _note_pending_seen(self) -> None:
-        """Remember the pending_reqs the index now matches."""
-        self._pending_seen = tuple(self.pending_reqs)
-
-    def _take_prefill_dp_rank_answer(
-        self, bootstrap_addr: str
-    ) -> Tuple[Dict[str, int], Tuple[int, ...]]:
-        """(room -> dp rank of a query that has landed, rooms of the query
-        still in flight). Never waits: an answer that has not landed by this
-        consume point is looked at again in a later cycle."""
-        query = self._prefill_dp_rank_queries.get(bootstrap_addr)
-        if query is None:
-            return {}, ()
-        rooms, future = query
-        if not future.done():
-            if not bootstrap_fetch_overdue(future):
-                return {}, rooms
-            logger.warning(
-                f"Prefill dp-rank query to {bootstrap_addr} has not ended "
-                f"{future.timeout_s} s after it was submitted; asking again."
-            )
-            # Its thread and connection come back now, not when the peer ends.
-            future.retire()
-        del self._prefill_dp_rank_queries[bootstrap_addr]
-        if not future.done():
-            return {}, ()
-        try:
-            return future.result(), ()
-        except Exception:
-            # Not a configuration mismatch: a failed attempt, not a crash.
-            logger.exception(f"Prefill dp-rank query to {bootstrap_addr} failed")
-            return {}, ()
+            self._query_prefill_dp_ranks(bootstrap_addr, decode_reqs, now)
 
     def _cancel_prefill_dp_rank_queries(self) -> None:
-        # Some pending requests waited for these answers: look at all of
-        # them again.
-        self._pending_by_addr = None
         for _, future in self._prefill_dp_rank_queries.values():
             future.cancel()
         self._prefill_dp_rank_queries.clear()
@@ -1636,172 +1442,76 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
         Never waits on the network: parallel info and dp ranks are fetched in
         the background, and a request whose answer has not landed stays
-        pending. receiver.init() does the same for the per-rank routes. A
-        prefill with nothing new (no request added, no answer landed, no retry
-        due) costs a few lookups, however many requests wait for it."""
+        pending; receiver.init() sets up the per-rank routes the same way."""
         if not self.pending_reqs:
             self._cancel_prefill_dp_rank_queries()
             self._drop_idle_ensure_state()
-            self._pending_seen = ()
             return
 
-        pending = self._sync_pending_index()
-        resolved: List[Tuple[DecodeRequest, int]] = []
-        gone: List[DecodeRequest] = []
-        now = time.monotonic()
-        for bootstrap_addr, entry in list(pending.items()):
-            # Pass 1: ensure parallel info; a cached one is a dict lookup, as
-            # in add().
-            if bootstrap_addr in self.kv_manager.prefill_info_table:
-                # Also when the info landed while the entry waited for it.
-                self._clear_ensure_state(bootstrap_addr)
-            elif not entry.fresh and self.kv_manager.parallel_info_fetch_in_flight(
-                bootstrap_addr
-            ):
-                continue
-            else:
-                ready, waiting = self._ensure_prefill_info({bootstrap_addr: entry.reqs})
-                if bootstrap_addr not in ready:
-                    entry.fresh = False
-                    if not waiting:  # aborted: its retry budget is spent
-                        gone.extend(entry.reqs)
-                        del pending[bootstrap_addr]
-                    continue
-                entry.fresh = True  # its info just landed
+        # Group pending requests by bootstrap_addr
+        addr_to_reqs: Dict[str, List[DecodeRequest]] = {}
+        for decode_req in self.pending_reqs:
+            addr = _bootstrap_addr(decode_req.req)
+            addr_to_reqs.setdefault(addr, []).append(decode_req)
 
-            # Pass 2: resolve dp rank for addrs whose info is available
-            if not entry.fresh and not self._prefill_dp_rank_news(
-                bootstrap_addr, entry, now
-            ):
-                continue
-            entry.fresh = False
+        # Pass 1: ensure parallel info for each addr; a cached one is a dict
+        # lookup, as in add().
+        ready_addrs: Dict[str, List[DecodeRequest]] = {}
+        to_ensure: Dict[str, List[DecodeRequest]] = {}
+        for bootstrap_addr, decode_reqs in addr_to_reqs.items():
+            if bootstrap_addr in self.kv_manager.prefill_info_table:
+                self._clear_ensure_state(bootstrap_addr)
+                ready_addrs[bootstrap_addr] = decode_reqs
+            else:
+                to_ensure[bootstrap_addr] = decode_reqs
+        remaining: List[DecodeRequest] = []
+        if to_ensure:
+            ensured, remaining = self._ensure_prefill_info(to_ensure)
+            ready_addrs.update(ensured)
+
+        now = time.monotonic()
+        resolved: List[Tuple[DecodeRequest, int]] = []
+        for bootstrap_addr, decode_reqs in ready_addrs.items():
             need_query: List[DecodeRequest] = []
-            for decode_req in entry.reqs:
+            for decode_req in decode_reqs:
                 prefill_dp_rank = self._resolve_prefill_dp_rank(decode_req.req)
                 if prefill_dp_rank is not None:
                     resolved.append((decode_req, prefill_dp_rank))
                 else:
                     need_query.append(decode_req)
 
-            remaining: List[DecodeRequest] = []
+            # Pass 2: resolve dp rank for addrs whose info is available
             if need_query:
-                room_to_rank, in_flight = self._take_prefill_dp_rank_answer(
-                    bootstrap_addr
-                )
-                due: List[DecodeRequest] = []
-                entry.dp_recheck_at = float("inf")
+                room_to_rank = self._take_prefill_dp_ranks(bootstrap_addr, now)
+                asked = self._prefill_dp_rank_queries.get(bootstrap_addr, ((),))[0]
+                unanswered: List[DecodeRequest] = []
                 for decode_req in need_query:
                     room = decode_req.req.bootstrap_room
                     prefill_dp_rank = room_to_rank.get(str(room))
                     if prefill_dp_rank is not None:
                         self._clear_ensure_state((bootstrap_addr, room))
                         resolved.append((decode_req, int(prefill_dp_rank)))
-                        continue
-                    count = self._ensure_retry_count.get((bootstrap_addr, room), 0)
-                    if room not in in_flight and count >= self._max_ensure_retries:
-                        self._abort_dp_rank_query(bootstrap_addr, decode_req, count)
-                        gone.append(decode_req)
-                        continue
-                    # Not answered yet, or not registered on the prefill yet:
-                    # ask again once the retry interval has passed.
-                    remaining.append(decode_req)
-                    if room in in_flight:
-                        continue
-                    if self._dp_rank_query_due(bootstrap_addr, decode_req, now):
-                        due.append(decode_req)
+                    elif (
+                        room not in asked
+                        and self._ensure_retry_count.get((bootstrap_addr, room), 0)
+                        >= self._max_ensure_retries
+                    ):
+                        self._abort_unregistered_room(bootstrap_addr, decode_req)
                     else:
-                        # Not due: it was asked within the retry interval.
-                        last_attempt = self._ensure_last_attempt_time.get(
-                            (bootstrap_addr, room), now
-                        )
-                        entry.dp_recheck_at = min(
-                            entry.dp_recheck_at,
-                            last_attempt + self._ensure_retry_interval,
-                        )
-                if due and bootstrap_addr not in self._prefill_dp_rank_queries:
-                    self._submit_prefill_dp_rank_query(bootstrap_addr, due, now)
-                elif due:
-                    entry.dp_recheck_at = now
+                        unanswered.append(decode_req)
+                remaining.extend(unanswered)
+                if unanswered and bootstrap_addr not in self._prefill_dp_rank_queries:
+                    self._query_prefill_dp_ranks(bootstrap_addr, unanswered, now)
             else:
                 prefetched = self._prefill_dp_rank_queries.pop(bootstrap_addr, None)
                 if prefetched is not None:
                     prefetched[1].cancel()
-            entry.reqs = remaining
-            if not remaining:
-                del pending[bootstrap_addr]
 
-        if resolved or gone:
-            left = {id(decode_req) for decode_req in gone}
-            left.update(id(decode_req) for decode_req, _ in resolved)
-            self.pending_reqs = [r for r in self.pending_reqs if id(r) not in left]
-            self._note_pending_seen()
+        self.pending_reqs = remaining
+        self._drop_idle_ensure_state()
 
         for decode_req, prefill_dp_rank in resolved:
             self._init_receiver(decode_req, prefill_dp_rank)
-
-    def _prefill_dp_rank_news(
-        self, bootstrap_addr: str, entry: _PendingPrefill, now: float
-    ) -> bool:
-        """Whether a prefill's dp-rank query has landed or gone overdue, or a
-        room of it is due to be asked again."""
-        query = self._prefill_dp_rank_queries.get(bootstrap_addr)
-        if query is not None:
-            return query[1].done() or bootstrap_fetch_overdue(query[1])
-        return now >= entry.dp_recheck_at
-
-    def _abort_dp_rank_query(
-        self, bootstrap_addr: str, decode_req: DecodeRequest, count: int
-    ) -> None:
-        room = decode_req.req.bootstrap_room
-        error_msg = (
-            f"Could not fetch the prefill dp rank of bootstrap_room {room} from "
-            f"{bootstrap_addr} after {count} attempts"
-        )
-        logger.error(error_msg)
-        self._clear_ensure_state((bootstrap_addr, room))
-        # kv_receiver may be None from a prior self.queue cleanup
-        if decode_req.kv_receiver is not None:
-            decode_req.kv_receiver.abort()
-            self.kv_manager.record_failure(
-                room,
-                f"{error_msg}: the prefill did not report this room. Check that "
-                f"the request reached the prefill server and that its bootstrap "
-                f"server is healthy; the decode log has the error of each attempt.",
-            )
-
-    def _log_disaggregation_state(self) -> None:
-        """Log the sizes of the decode's PD tables when they changed, at most
-        once per SGLANG_LOG_SCHEDULER_STATUS_INTERVAL: a table that does not
-        drain back when the server is idle is a leak an operator can see."""
-        now = time.monotonic()
-        if self._state_logged_at is None:
-            self._state_logged_at = now
-            # Read once: this runs every cycle, the knob is set at launch.
-            self._state_log_interval = envs.SGLANG_LOG_SCHEDULER_STATUS_INTERVAL.get()
-            return
-        if now - self._state_logged_at < self._state_log_interval:
-            return
-        self._state_logged_at = now
-        admission = self._admission
-        state = {
-            "pending_reqs": len(self.pending_reqs),
-            "pending_prefills": len(self._pending_by_addr or ()),
-            "ensure_retry_count": len(self._ensure_retry_count),
-            "ensure_last_attempt_time": len(self._ensure_last_attempt_time),
-            "held_rebootstrap_reqs": len(self.held_rebootstrap_reqs),
-        }
-        if admission is not None:
-            state["stuck_prefills"] = len(admission.stuck)
-            state["stuck_held_tokens"] = sum(
-                admission.held.get(addr, (0, 0))[1] for addr in admission.stuck
-            )
-        # Only CommonKVManager has PD tables (not FakeKVManager).
-        manager_state = getattr(self.kv_manager, "disaggregation_state", None)
-        if manager_state is not None:
-            state.update(manager_state())
-        if state != self._state_logged:
-            self._state_logged = state
-            logger.info(f"PD decode state: {json.dumps(state)}")
 
     def pop_preallocated(
         self,
@@ -1817,9 +1527,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             raise ValueError("rids_to_check cannot be used in PP mode")
 
         self._resolve_pending_reqs()
-        self._log_disaggregation_state()
         self._update_handshake_waiters(rids_to_check, pp_good_rids, pp_bad_rids)
-        admission = self._admission_cycle()
         if is_pp_mode:
             rids_to_check = set(pp_good_rids) | set(pp_bad_rids)
 
@@ -1885,7 +1593,6 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             self.pending_reqs = [
                 r for r in self.pending_reqs if id(r) not in failed_ids
             ]
-            self._drop_idle_ensure_state()
 
         # HiSparse physical constraint: max requests by device buffer capacity.
         # Each admitted req needs a padded buffer plus its speculative scratch.
@@ -1919,7 +1626,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             running_loras.update(r.req.lora_id for r in self.transfer_queue.queue)
             running_loras.update(req.lora_id for req in self.scheduler.waiting_queue)
 
-        skipped: Set[str] = set()  # prefills skipped this cycle: FIFO holds
+        shares = self._prefill_shares()
+        skipped: Set[str] = set()  # prefills held at their share this cycle
 
         # Then, preallocate the remaining requests if possible
         for i, decode_req in enumerate(self.queue):
@@ -1932,7 +1640,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if not decode_req.waiting_for_input:
                 continue
 
-            if self._skip_for_its_prefill(decode_req, admission, skipped):
+            if shares is not None and self._held_at_share(decode_req, shares, skipped):
                 continue
 
             if self.req_to_metadata_buffer_idx_allocator.available_size() <= 0:
@@ -2304,7 +2012,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             num_device_preallocated += 1
             preallocated_reqs.append(decode_req)
             indices_to_remove.add(i)
-            admission.hold(decode_req, self._admission_tokens(decode_req.req))
+            self._note_admitted(decode_req, shares)
             if self.scheduler.enable_lora:
                 running_loras.add(decode_req.req.lora_id)
 
@@ -2313,7 +2021,6 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             self.pending_reqs = [
                 r for r in self.pending_reqs if id(r) not in failed_ids
             ]
-            self._drop_idle_ensure_state()
             for decode_req in failed_reqs:
                 if decode_req.req.kv.holds_mamba and not decode_req.req.kv.holds_kv:
                     release_kv_cache(decode_req.req, self.tree_cache, checkpoint=False)
@@ -2525,187 +2232,92 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         )
         return need_space_for_single_req
 
-    def _active_req_count(self, extra_reserved_reqs: int = 0) -> int:
-        return (
-            len(self.scheduler.running_batch.reqs)
-            + sum(
-                not r.host_staged and not self._prefill_unreachable(r)
-                for r in self.transfer_queue.queue
-            )
-            + len(self.scheduler.waiting_queue)
-            + extra_reserved_reqs
-        )
-
-    def _prefill_unreachable(self, decode_req: DecodeRequest) -> bool:
-        """The heartbeat missed this request's prefill since it last answered,
-        or the prefill is stuck (_PrefillAdmission). Such a request cannot
-        start decoding before the prefill answers again (or is declared dead,
-        failing it): it holds no decode headroom and gets no KV meanwhile, or
-        the requests of every other prefill queue behind it. Decided once per
-        cycle for every attention-TP rank alike (_update_held_back)."""
-        if _is_fake_transfer(decode_req.req):
-            return False
-        return _bootstrap_addr(decode_req.req) in self._held_back
-
-    def _update_held_back(self) -> None:
-        """The prefills _prefill_unreachable holds back this cycle. The
-        heartbeat and the stuck clock are each rank's own: every attention-TP
-        rank holds back a prefill any of them does, or their admissions (and
-        batches) would differ."""
-        # Only CommonKVManager has a heartbeat (not FakeKVManager).
-        heartbeat_failures = getattr(self.kv_manager, "heartbeat_failures", None) or {}
-        stuck = self._admission.stuck if self._admission is not None else {}
-        addrs = sorted(
-            {
-                _bootstrap_addr(r.req)
-                for r in (*getattr(self, "queue", ()), *self.transfer_queue.queue)
-                if not _is_fake_transfer(r.req)
-            }
-        )
-        # 2: held back; 1: stuck, with no probe out (see _probe); 0: neither.
-        flags = [
-            (
-                2
-                if heartbeat_failures.get(addr, 0) > 0
-                or addr in stuck
-                and self._admission.probe_out(addr)
-                else int(addr in stuck)
-            )
-            for addr in addrs
-        ]
-        group = getattr(self, "gloo_group", None)
-        if group is not None:
-            flags = all_reduce_flags(
-                flags, group=group, op=torch.distributed.ReduceOp.MAX
-            )
-        self._held_back = frozenset(addr for addr, f in zip(addrs, flags) if f)
-        self._probe_ok = frozenset(addr for addr, f in zip(addrs, flags) if f == 1)
-
-    def _probe(self, decode_req: DecodeRequest, admission: _PrefillAdmission) -> bool:
-        """Give KV to this request of a stuck prefill: the first of its
-        requests this cycle while none of its probes is out, as every
-        attention-TP rank agreed. A prefill that only lost a request serves it
-        and is unmarked; a hung one holds one request more."""
-        bootstrap_addr = _bootstrap_addr(decode_req.req)
-        if bootstrap_addr not in self._probe_ok or bootstrap_addr in admission.probed:
-            return False
-        admission.probed.add(bootstrap_addr)
-        return True
-
-    def _admission_tokens(self, req: Req) -> int:
-        """What one request holds of the decode until its KV arrives: its
+    def _share_tokens(self, req: Req) -> int:
+        """What a request holds of the decode until its KV arrives: its
         prompt's KV and the decode headroom reserved for it."""
         return len(req.origin_input_ids) + self.num_reserved_decode_tokens
 
-    def _admission_cycle(self) -> _PrefillAdmission:
-        """This cycle's holdings by prefill; gives up on prefills stuck too
-        long, and decides which prefills are held back."""
-        admission = self._admission
-        if admission is None:
-            admission = self._admission = _PrefillAdmission(
-                SGLANG_DISAGGREGATION_STUCK_PREFILL_TIMEOUT.get(),
-                SGLANG_DISAGGREGATION_STUCK_PREFILL_GIVE_UP_TIMEOUT.get(),
-            )
-            # It tells the admission of every transfer that ends.
-            self.transfer_queue.prefill_admission = admission
-        now = time.monotonic()
+    def _prefill_shares(self) -> Optional[_PrefillShares]:
+        """This cycle's _PrefillShares, or None while one prefill alone sends
+        this decode requests (0.5.23's admission)."""
+        counts = self._recent_prefill_counts
+        if counts is None or len(counts) < 2:
+            return None
         held: Dict[str, List[int]] = {}
-        for r in self.transfer_queue.queue:
-            if r.given_up or r.host_staged or _is_fake_transfer(r.req):
+        ended = [entry[0] for entry in self.transfer_queue._deferred_releases]
+        for decode_req in (*self.transfer_queue.queue, *ended):
+            if decode_req.host_staged or _is_fake_transfer(decode_req.req):
                 continue
-            entry = held.setdefault(_bootstrap_addr(r.req), [0, 0])
-            entry[0] += 1
-            entry[1] += self._admission_tokens(r.req)
-        for bootstrap_addr in admission.update(held, now):
-            self._give_up_on_prefill(
-                bootstrap_addr, now - admission.idle_since[bootstrap_addr]
-            )
-        self._update_held_back()
-        admission.capacity = (
+            entry = held.setdefault(_bootstrap_addr(decode_req.req), [0, 0])
+            entry[0] += self._share_tokens(decode_req.req)
+            entry[1] += 1
+        return _PrefillShares(
+            held,
+            len(counts.keys() | held.keys()),
             self.token_to_kv_pool_allocator.size,
             self.req_to_metadata_buffer_idx_allocator.size,
         )
-        admission.waiting = {
-            _bootstrap_addr(r.req)
-            for r in self.queue
-            if r.waiting_for_input
-            and not _is_fake_transfer(r.req)
-            and _bootstrap_addr(r.req) not in self._held_back
-        }
-        admission.demand = (
-            admission.recent((set(held) | admission.waiting) - self._held_back)
-            - self._held_back
-        )
-        return admission
 
-    def _over_share(
-        self,
-        decode_req: DecodeRequest,
-        admission: _PrefillAdmission,
-        skipped: Set[str],
+    def _held_at_share(
+        self, decode_req: DecodeRequest, shares: _PrefillShares, skipped: Set[str]
     ) -> bool:
-        """Skip this request: its prefill would hold more than its share while
-        another prefill's request waits, or an earlier request of its prefill
-        was skipped this cycle (FIFO within a prefill)."""
+        """Skip this request: its prefill would hold more than its share, or
+        an earlier request of that prefill was skipped this cycle (FIFO within
+        a prefill). One held so for the waiting timeout ends, as 0.5.23 ends a
+        request whose KV does not come, with an error naming its prefill."""
         if _is_fake_transfer(decode_req.req):
             return False
-        if decode_req.given_up:
-            return True
         bootstrap_addr = _bootstrap_addr(decode_req.req)
-        if bootstrap_addr in skipped or admission.over_share(
-            bootstrap_addr, self._admission_tokens(decode_req.req)
+        if bootstrap_addr not in skipped and not shares.over(
+            bootstrap_addr, self._share_tokens(decode_req.req)
         ):
-            skipped.add(bootstrap_addr)
+            decode_req.held_since = None
+            return False
+        skipped.add(bootstrap_addr)
+        now = time.monotonic()
+        if decode_req.held_since is None:
+            decode_req.held_since = now
             return True
-        return False
-
-    def _skip_for_its_prefill(
-        self,
-        decode_req: DecodeRequest,
-        admission: _PrefillAdmission,
-        skipped: Set[str],
-    ) -> bool:
-        """pop_preallocated's checks by prefill, before its capacity checks:
-        its prefill is held back (and this is not its probe), or it would
-        go over its share."""
-        return (
-            self._prefill_unreachable(decode_req)
-            and not self._probe(decode_req, admission)
-        ) or self._over_share(decode_req, admission, skipped)
-
-    def _give_up_on_prefill(self, bootstrap_addr: str, idle_s: float) -> None:
-        """End every request of a prefill that made no progress for the
-        give-up bound, with an error the router retries (HTTP 500): those
-        whose KV it holds go through the abort/ack of deferred release, which
-        fences their pages until the prefill acknowledges."""
-        reason = (
-            f"Prefill {bootstrap_addr} made no progress on this decode's KV "
-            f"transfers for {idle_s:.0f} s while its bootstrap server kept "
-            f"answering (a hung scheduler?); this request ends so that it can be "
-            f"retried on another prefill."
-        )
-        info = getattr(self.kv_manager, "prefill_info_table", {}).get(bootstrap_addr)
-        ended = 0
-        for decode_req in (*self.transfer_queue.queue, *self.queue):
-            if (
-                decode_req.given_up
-                or decode_req.kv_receiver is None
-                or _bootstrap_addr(decode_req.req) != bootstrap_addr
-            ):
-                continue
-            # Which process of that prefill may still write (_may_still_write).
-            decode_req.given_up = info or True
+        waited = now - decode_req.held_since
+        if waited >= envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get():
+            # Ends on every rank at the next poll, which all ranks reduce.
             decode_req.kv_receiver.abort()
-            # abort() records "Aborted by AbortReq."; keep the cause.
-            self.kv_manager.record_failure(decode_req.req.bootstrap_room, reason)
-            ended += 1
-        if ended:
-            logger.error(
-                f"Gave up on {ended} request(s) of prefill {bootstrap_addr}: no "
-                f"progress for {idle_s:.0f} s (SGLANG_DISAGGREGATION_STUCK_PREFILL_"
-                f"GIVE_UP_TIMEOUT). The router may retry them on another prefill; "
-                f"the KV they held is released once the prefill acknowledges."
+            self.kv_manager.record_failure(
+                decode_req.req.bootstrap_room,
+                f"Prefill {bootstrap_addr} held its share of this decode's KV "
+                f"({shares.tokens} tokens) for {waited:.0f} s without its "
+                f"transfers ending (SGLANG_DISAGGREGATION_WAITING_TIMEOUT): this "
+                f"request ends so that it can be retried on another prefill.",
             )
+        return True
+
+    def _note_admitted(
+        self, decode_req: DecodeRequest, shares: Optional[_PrefillShares]
+    ) -> None:
+        if _is_fake_transfer(decode_req.req):
+            return
+        bootstrap_addr = _bootstrap_addr(decode_req.req)
+        if shares is not None:
+            shares.hold(bootstrap_addr, self._share_tokens(decode_req.req))
+        if self._recent_prefills is None:
+            self._recent_prefills = deque()
+            self._recent_prefill_counts = {}
+        recent, counts = self._recent_prefills, self._recent_prefill_counts
+        recent.append(bootstrap_addr)
+        counts[bootstrap_addr] = counts.get(bootstrap_addr, 0) + 1
+        if len(recent) > PREFILL_SHARE_WINDOW:
+            oldest = recent.popleft()
+            counts[oldest] -= 1
+            if not counts[oldest]:
+                del counts[oldest]
+
+    def _active_req_count(self, extra_reserved_reqs: int = 0) -> int:
+        return (
+            len(self.scheduler.running_batch.reqs)
+            + sum(not r.host_staged for r in self.transfer_queue.queue)
+            + len(self.scheduler.waiting_queue)
+            + extra_reserved_reqs
+        )
 
     def _active_reserved_tokens(
         self, n_active: Optional[int] = None, extra_reserved_reqs: int = 0
@@ -3190,8 +2802,11 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
     """
 
     enable_host_receive: bool = False
-    # Told of every transfer that ends (see DecodePreallocQueue._admission).
-    prefill_admission: Optional[_PrefillAdmission] = None
+    # Made on first use: requests that ended while their prefill may still
+    # write into their pages, by id (see _may_still_write), and how many of
+    # this decode's transfers each prefill (dp rank) has served.
+    _fences: Optional[Dict[int, list]] = None
+    _served: Optional[Dict[Tuple[str, Any], int]] = None
 
     def __init__(
         self,
@@ -3555,7 +3170,10 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                     self.enable_deferred_kv_release
                     and decode_req.kv_receiver.kv_mgr.enable_deferred_decode_kv_release
                 )
-                if deferrable and not decode_req.kv_receiver.abort_notified:
+                # With deferred release off too: the prefill may still write
+                # into these pages, and nothing acknowledges when it stops.
+                fenced = deferrable or not _is_fake_transfer(decode_req.req)
+                if fenced and not decode_req.kv_receiver.abort_notified:
                     # A failure decode did not initiate (prefill fault, transport
                     # error, hicache restore failure) can still have sibling-rank
                     # writes in flight toward these pages. force_arm: a partial
@@ -3568,19 +3186,14 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                         i,
                         decode_req,
                         requires_host_drain
-                        or (deferrable and decode_req.kv_receiver.abort_notified),
+                        or (fenced and decode_req.kv_receiver.abort_notified),
                     )
                 )
                 indices_to_remove.add(i)
                 self._record_transfer_failure(failure_reason)
                 continue
             elif poll == KVPoll.Success:
-                if self.prefill_admission is not None and not _is_fake_transfer(
-                    decode_req.req
-                ):
-                    self.prefill_admission.progress(
-                        _bootstrap_addr(decode_req.req), time.monotonic()
-                    )
+                self._note_served(decode_req)
                 if self._is_host_destination(decode_req):
                     if isinstance(decode_req.req.finished_reason, FINISH_ABORT):
                         self.scheduler.output_streamer.stream_output(
@@ -3629,6 +3242,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         for (i, decode_req, _), hold in zip(failed, held):
             if hold:
                 self._defer_release(decode_req)
+                self._fence(decode_req)
                 deferred_indices.add(i)
             else:
                 self._release_request(decode_req)
@@ -3693,25 +3307,59 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         decode_req.kv_receiver.clear()
         decode_req.kv_receiver = None
 
+    @staticmethod
+    def _prefill_of(decode_req: DecodeRequest) -> Tuple[str, Any]:
+        receiver = decode_req.kv_receiver
+        return receiver.bootstrap_addr, receiver.prefill_dp_rank
+
+    def _note_served(self, decode_req: DecodeRequest) -> None:
+        if _is_fake_transfer(decode_req.req):
+            return
+        if self._served is None:
+            self._served = {}
+        key = self._prefill_of(decode_req)
+        self._served[key] = self._served.get(key, 0) + 1
+
+    def _fence(self, decode_req: DecodeRequest) -> None:
+        """A request ended while its prefill may still write into its pages:
+        remember that prefill (its info, replaced when the heartbeat fails it)
+        and how many transfers it had served (see _may_still_write)."""
+        if _is_fake_transfer(decode_req.req):
+            return
+        receiver = decode_req.kv_receiver
+        info = receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr)
+        if info is None:
+            return  # failed already: it writes no more
+        if self._fences is None:
+            self._fences = {}
+        served = (self._served or {}).get(self._prefill_of(decode_req), 0)
+        self._fences[id(decode_req)] = [info, served, False]
+
     def _may_still_write(self, decode_req: DecodeRequest) -> bool:
-        """A request given up on its stuck prefill (_PrefillAdmission): that
-        prefill is alive and may write into its pages once it resumes. They
-        stay held past the release timeout, until it acknowledges the abort
-        or the heartbeat declares it failed (or it is fetched anew)."""
-        if not decode_req.given_up:
+        """Whether the prefill of a fenced request may still write into its
+        pages, past 0.5.23's release timeout: it has not acknowledged the
+        abort, nor been declared failed, nor served another of this decode's
+        transfers since (it then read the ABORT sent before that one's KV
+        indices). A prefill hung for good holds them, inside its share."""
+        fence = self._fences.get(id(decode_req)) if self._fences else None
+        if fence is None:
             return False
-        kv_mgr = decode_req.kv_receiver.kv_mgr
-        table = getattr(kv_mgr, "prefill_info_table", {})
-        if table.get(_bootstrap_addr(decode_req.req)) is not decode_req.given_up:
+        info, served, logged = fence
+        receiver = decode_req.kv_receiver
+        key = self._prefill_of(decode_req)
+        if (
+            receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr) is not info
+            or (self._served or {}).get(key, 0) != served
+        ):
             return False
-        if not decode_req.fenced:
-            decode_req.fenced = True
+        if not logged:
+            fence[2] = True
             logger.warning(
-                f"Holding the KV of room {decode_req.req.bootstrap_room} past "
-                f"the deferred release timeout: its prefill "
-                f"{_bootstrap_addr(decode_req.req)} was given up on while alive "
-                f"and may still write into it. It is released once that prefill "
-                f"acknowledges the abort or is declared failed."
+                f"Holding the KV of room {decode_req.req.bootstrap_room} past the "
+                f"deferred release timeout: prefill {receiver.bootstrap_addr} has "
+                f"not acknowledged its abort and may still write into it. It is "
+                f"released once that prefill acknowledges, serves another transfer "
+                f"to this decode, or is declared failed."
             )
         return True
 
@@ -3777,6 +3425,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         # Commit the survivors before releasing so a _do_release exception can't
         # leave a released entry in the list (double-free / None receiver on retry).
         self._deferred_releases = still_held
+        if self._fences:
+            for decode_req, *_ in to_release:
+                self._fences.pop(id(decode_req), None)
         for decode_req, start_time, idx, room, drained in to_release:
             if not drained:
                 logger.warning(
@@ -3801,6 +3452,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         self.queue.clear()
         # Pool is being torn down; drop held entries without per-request release.
         self._deferred_releases.clear()
+        self._fences = None
 
     def resume_memory_occupation(self):
         """Queues are already cleared on release; new transfers can be accepted."""

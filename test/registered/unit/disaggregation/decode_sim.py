@@ -18,6 +18,7 @@ Not a test module: the tests import it (test_decode_admission_edges.py).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from contextlib import ExitStack
 from types import SimpleNamespace
@@ -480,9 +481,11 @@ class Collectives:
         return self.reduce([p.poll() for p in pollers], op_max=False)
 
 
-def patched(collectives: Collectives, clocks: List[Clock]) -> ExitStack:
-    """The module globals the queues read, for the duration of a test.
-    ``time`` is each rank's own clock (by the calling thread)."""
+def patched(
+    collectives: Collectives, clocks: List[Clock], waiting_timeout: float
+) -> ExitStack:
+    """The module globals and environment the queues read, for the duration
+    of a test. ``time`` is each rank's own clock (by the calling thread)."""
     local = collectives.local
 
     class ThreadClock:
@@ -490,6 +493,12 @@ def patched(collectives: Collectives, clocks: List[Clock]) -> ExitStack:
             return getattr(clocks[getattr(local, "rank", 0)], name)
 
     stack = ExitStack()
+    stack.enter_context(
+        mock.patch.dict(
+            os.environ,
+            {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(int(waiting_timeout))},
+        )
+    )
     for name, value in (
         ("time", ThreadClock()),
         ("all_reduce_flags", collectives.all_reduce_flags),

@@ -15,7 +15,7 @@ import json
 import threading
 import unittest
 from collections import defaultdict
-from concurrent.futures import wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from unittest import mock
@@ -42,6 +42,7 @@ from test_parallel_info_nonblocking import (
     ADDR,
     PAGE_SIZE,
     PREFILL_INFO,
+    FakeResponse,
     set_decode_config,
 )
 
@@ -53,9 +54,23 @@ _WAIT_S = 30
 DP_TP_INFO = dict(PREFILL_INFO, dp_size=2, attn_tp_size=2, follow_bootstrap_room=False)
 
 
-def make_decode_manager(workers: int = 1) -> CommonKVManager:
+class TrackedExecutor(ThreadPoolExecutor):
+    """The manager's executor, remembering every future it gave, so that
+    drain() can wait for each call submitted so far (and any it submitted)."""
+
+    def __init__(self, workers: int):
+        super().__init__(max_workers=workers, thread_name_prefix="test-fetch")
+        self.futures = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = super().submit(fn, *args, **kwargs)
+        self.futures.append(future)
+        return future
+
+
+def make_decode_manager(workers: int = 2) -> CommonKVManager:
     """A decode-mode CommonKVManager with the state the bootstrap path reads
-    and a real fetch pool; ``workers`` threads per lane."""
+    and a real executor of ``workers`` threads."""
     mgr = CommonKVManager.__new__(CommonKVManager)
     set_decode_config(
         mgr,
@@ -80,15 +95,11 @@ def make_decode_manager(workers: int = 1) -> CommonKVManager:
     mgr._deferred_ack_targets = {}
     mgr._deferred_ack_poisoned_rooms = set()
     mgr._staging_outstanding = defaultdict(int)
-    mgr._parallel_info_executor = conn_mod._BootstrapFetchPool(
-        "test-fetch",
-        lane_workers={"bootstrap": workers, "health": 1, "rebootstrap": workers},
-    )
+    mgr._parallel_info_executor = TrackedExecutor(workers)
     mgr._prefill_recompute_executor = mgr._parallel_info_executor
     mgr._parallel_info_inflight = set()
     mgr._parallel_info_fatal = None
-    mgr._bootstrap_setups = {}
-    mgr._orphaned_rooms = conn_mod._OrphanedRooms(max_age_s=300)
+    mgr._route_setups = {}
     mgr.session_pool = {}
     mgr.session_pool_lock = threading.Lock()
     return mgr
@@ -111,10 +122,8 @@ def fake_clock_and_manager(test: CustomTestCase, workers: int = 2):
 
 def drain(mgr: CommonKVManager) -> None:
     """Barrier: every fetch submitted so far, and any it submitted, ended."""
-    pool = mgr._parallel_info_executor
     while True:
-        with pool._lock:
-            running = [f for fs in pool._by_addr.values() for f in fs if not f.done()]
+        running = [f for f in mgr._parallel_info_executor.futures if not f.done()]
         if not running:
             return
         wait(running, timeout=_WAIT_S)
@@ -207,16 +216,14 @@ class FakeBootstrapServer:
 
 
 class NetworkSentinel:
-    """Records the thread of every HTTP request sent (by requests and urllib3,
-    or http.client directly: all of them send through http.client) and of
-    every TCP connect."""
+    """Records the thread of every HTTP request sent (requests sends through
+    urllib3 and http.client) and of every TCP connect."""
 
     def __init__(self, test: CustomTestCase):
         self.threads = []
         for owner, name in (
             (http.client.HTTPConnection, "send"),
             (urllib3.connection.HTTPConnection, "connect"),
-            (conn_mod.socket, "create_connection"),
         ):
             original = getattr(owner, name)
             patcher = mock.patch.object(owner, name, self._wrap(original))
@@ -545,17 +552,13 @@ class TestBackgroundRouteSetup(_Base):
     def test_receivers_of_the_same_routes_share_one_setup(self):
         route = self.patch_route(BlockingRoute(block=True))
         receivers = [self.receiver(room) for room in (1, 2, 3)]
-        executor = self.mgr._parallel_info_executor
-        with mock.patch.object(
-            executor, "submit_with_timeout", wraps=executor.submit_with_timeout
-        ) as submit:
-            for receiver in receivers:
-                receiver.init(0)
-                self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
+        for receiver in receivers:
+            receiver.init(0)
+            self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
         route.release.set()
         drain(self.mgr)
 
-        self.assertEqual(submit.call_count, 1)
+        self.assertEqual(len(self.mgr._parallel_info_executor.futures), 1)
         self.assertEqual(len(route.calls), 2)  # attention TP 2: two ranks, once
         for receiver in receivers:
             self.assertEqual(receiver.poll(), KVPoll.WaitingForInput)
@@ -568,11 +571,13 @@ class TestBackgroundRouteSetup(_Base):
         route.release.set()
         drain(self.mgr)
 
-        for receiver in waiting:
-            self.assert_failed_with(
-                receiver,
-                f"Could not fetch bootstrap info from {ADDR} for: prefill_dp_rank: 0",
-            )
+        # The one it ran for with 0.5.23's cause; the others with its prefill.
+        self.assert_failed_with(
+            waiting[0], "Could not fetch bootstrap info for: prefill_dp_rank: 0"
+        )
+        self.assert_failed_with(
+            waiting[1], f"Could not fetch the bootstrap info of prefill {ADDR}"
+        )
         self.assertNotIn(self.key, self.mgr.connection_pool)
         # A request that comes later gets an attempt of its own.
         later = self.receiver(room=3)
@@ -583,7 +588,7 @@ class TestBackgroundRouteSetup(_Base):
 
     def test_slow_lookups_that_each_answer_in_time_are_not_cut_short(self):
         clock = FakeClock()
-        step = 0.9 * conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S
+        step = 0.9 * conn_mod.BOOTSTRAP_QUERY_TIMEOUT_S
         route = BlockingRoute()
 
         def slow():
@@ -606,7 +611,7 @@ class TestBackgroundRouteSetup(_Base):
             self.assertEqual(receiver.poll(), KVPoll.WaitingForInput)
         self.assertEqual(len(route.calls), 2)
 
-    def test_an_overdue_setup_fails_its_requests_and_caches_nothing(self):
+    def test_a_setup_past_every_lookups_bound_fails_its_requests(self):
         clock = FakeClock()
         with mock.patch.object(conn_mod, "time", clock):
             route = self.patch_route(BlockingRoute(block=True))
@@ -615,57 +620,17 @@ class TestBackgroundRouteSetup(_Base):
             self.assertTrue(route.entered.wait(_WAIT_S))
             self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
 
-            clock.now += 2 * conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S + 1
+            # Two lookups (attention TP 2), each bounded.
+            clock.now += 2 * conn_mod.BOOTSTRAP_QUERY_TIMEOUT_S
             self.assert_failed_with(
-                receiver, f"Bootstrap info lookups to {ADDR} have not ended"
+                receiver, f"bootstrap info lookups to prefill {ADDR} have not ended"
             )
-            # The late answer is dropped; the next request fetches afresh.
+            # Its thread is the prefill's own; a late answer is a valid route.
             route.release.set()
             drain(self.mgr)
-        self.assertNotIn(self.key, self.mgr.connection_pool)
-
-    def test_a_retired_setup_records_logs_and_registers_nothing(self):
-        for answer in (False, True):  # its lookup fails, or answers, late
-            with self.subTest(answer=answer):
-                self.mgr.failure_records.clear()
-                CommonKVReceiver._register_kv_args.reset_mock()
-                clock = FakeClock()
-                route = self.patch_route(BlockingRoute(block=True, answer=answer))
-                with mock.patch.object(conn_mod, "time", clock):
-                    receiver = self.receiver(room=1)
-                    receiver.init(0)
-                    self.assertTrue(route.entered.wait(_WAIT_S))
-                    clock.now += 2 * conn_mod.BOOTSTRAP_FETCH_TIMEOUT_S + 1
-                    self.assert_failed_with(receiver, "have not ended")
-                    self.assertEqual(self.mgr.failure_records, {})
-
-                    with self.assertNoLogs(conn_mod.logger, "ERROR"):
-                        route.release.set()
-                        drain(self.mgr)
-                self.assertEqual(self.mgr.failure_records, {})
-                CommonKVReceiver._register_kv_args.assert_not_called()
-                self.assertEqual(self.mgr.connection_pool, {})
-                self.assertEqual(self.mgr._bootstrap_setups, {})
-
-    def test_node_failure_waits_on_no_prefill_socket(self):
-        # A send to this prefill's rank holds its socket's lock (an inline
-        # send waiting out SNDTIMEO): the heartbeat thread must not wait.
-        CommonKVReceiver.start_push_sender()  # as the decode manager does
-        endpoint = "tcp://127.0.0.1:7000"
-        self.mgr.connection_pool[self.key] = [
-            {"rank_ip": "127.0.0.1", "rank_port": 7000}
-        ]
-        CommonKVReceiver._connect(endpoint)
-        lock = CommonKVReceiver._socket_locks[endpoint]
-        with lock:
-            failure = threading.Thread(
-                target=self.mgr._handle_node_failure, args=(ADDR,), daemon=True
-            )
-            failure.start()
-            failure.join(_WAIT_S)
-            self.assertFalse(failure.is_alive())
-        self.assertTrue(CommonKVReceiver.start_push_sender().barrier().wait(_WAIT_S))
-        self.assertNotIn(endpoint, CommonKVReceiver._socket_cache)
+            later = self.receiver(room=2)
+            later.init(0)
+            self.assertEqual(later.poll(), KVPoll.WaitingForInput)
 
     def test_eviction_during_the_setup_caches_nothing(self):
         route = self.patch_route(BlockingRoute(block=True))
@@ -693,27 +658,20 @@ class TestBackgroundRouteSetup(_Base):
                 drain(self.mgr)
 
         self.assertIn("Traceback", "\n".join(logs.output))
-        self.assert_failed_with(receiver, "Bootstrap info setup for .* failed")
+        self.assert_failed_with(
+            receiver, f"Could not fetch the bootstrap info of prefill {ADDR}"
+        )
         self.assertIsNone(self.mgr._parallel_info_fatal)
-
-    def test_failure_of_port_80_keeps_port_8080_cached(self):
-        self.mgr.connection_pool["host:80_0_0_0"] = []
-        self.mgr.connection_pool["host:8080_0_0_0"] = []
-        self.mgr.prefill_info_table["host:8080"] = object()
-
-        self.mgr._handle_node_failure("host:80")
-
-        self.assertNotIn("host:80_0_0_0", self.mgr.connection_pool)
-        self.assertIn("host:8080_0_0_0", self.mgr.connection_pool)
-        self.assertIn("host:8080", self.mgr.prefill_info_table)
 
 
 class TestMalformedRoute(CustomTestCase):
     def lookup(self, body):
-        response = conn_mod._BootstrapResponse(200, json.dumps(body).encode())
+        response = mock.MagicMock(status_code=200, text=json.dumps(body))
+        response.json.return_value = body
         receiver = CommonKVReceiver.__new__(CommonKVReceiver)
         receiver.bootstrap_addr = ADDR
-        with mock.patch.object(conn_mod._bootstrap_http, "get", return_value=response):
+        session = SimpleNamespace(get=lambda *args, **kwargs: response)
+        with mock.patch.object(conn_mod, "_get_bootstrap_session", return_value=session):
             return receiver._get_bootstrap_info_from_server(0, 0, 0, 0)
 
     def test_a_malformed_route_is_a_failed_lookup_not_a_cached_route(self):
@@ -726,6 +684,56 @@ class TestMalformedRoute(CustomTestCase):
             self.lookup({"rank_ip": "h", "rank_port": 7}),
             {"rank_ip": "h", "rank_port": 7, "pp_rank": 0},
         )
+
+
+
+class TestParallelInfoOffTheSchedulerThread(CustomTestCase):
+    """What sglang's synchronous tests of try_ensure_parallel_info check (the
+    rank mapping stored on PrefillServerInfo, a layout mismatch rejected),
+    now that the answer lands on a later call."""
+
+    def fetch(self, info: dict, **decode):
+        mgr = make_decode_manager()
+        self.addCleanup(mgr._parallel_info_executor.shutdown, wait=False)
+        for name, value in decode.items():
+            setattr(mgr, name, value)
+        get = mock.Mock(return_value=FakeResponse(200, info))
+        with mock.patch.object(conn_mod.requests, "get", get):
+            self.assertFalse(mgr.try_ensure_parallel_info(ADDR))
+            drain(mgr)
+            return mgr
+
+    def test_prefill_cp4_tp4_maps_each_decode_tp_rank_to_its_rank_on_cp_rank_0(self):
+        info = dict(PREFILL_INFO, attn_tp_size=4, attn_cp_size=4)
+        for engine_rank in range(4):
+            kv_args = SimpleNamespace(
+                page_size=PAGE_SIZE, state_types=[], engine_rank=engine_rank
+            )
+            mgr = self.fetch(info, attn_tp_size=4, kv_args=kv_args)
+            self.assertTrue(mgr.try_ensure_parallel_info(ADDR))
+            mapped = mgr.prefill_info_table[ADDR]
+            self.assertEqual(mapped.target_tp_rank, engine_rank)
+            self.assertEqual(mapped.target_tp_ranks, [engine_rank])
+            self.assertEqual(mapped.target_cp_ranks, [0])
+            self.assertEqual(mapped.target_pp_ranks, [0])
+            self.assertEqual(mapped.required_prefill_response_num, 1)
+
+    def test_every_decode_dp_replica_pulls_from_cp_rank_0(self):
+        info = dict(PREFILL_INFO, attn_cp_size=4, dp_size=4)
+        for engine_rank in range(4):
+            kv_args = SimpleNamespace(
+                page_size=PAGE_SIZE, state_types=[], engine_rank=engine_rank
+            )
+            mgr = self.fetch(info, kv_args=kv_args)
+            self.assertTrue(mgr.try_ensure_parallel_info(ADDR))
+            self.assertEqual(mgr.prefill_info_table[ADDR].target_cp_ranks, [0])
+
+    def test_a_layout_mismatch_is_rejected_on_the_next_call(self):
+        mgr = self.fetch(dict(PREFILL_INFO, kv_layout="paged"), kv_layout="flat")
+
+        self.assertNotIn(ADDR, mgr.prefill_info_table)
+        with self.assertRaisesRegex(RuntimeError, "KV layout mismatch"):
+            mgr.try_ensure_parallel_info(ADDR)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ from types import MethodType
 from unittest import mock
 
 from sglang.srt.disaggregation.common import conn as conn_mod
-from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.common.conn import (
+    BOOTSTRAP_QUERY_TIMEOUT_S,
+    CommonKVManager,
+)
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -352,7 +355,8 @@ class TestEnsurePrefillInfo(CustomTestCase):
 
         queue._ensure_prefill_info({ADDR: reqs})
         kv_manager.parallel_info_fetch_in_flight.return_value = True
-        for _ in range(10):
+        # Less time than a fetch may take (requests' timeout=5 per read).
+        for _ in range(9):
             self.pass_interval(queue)
             ready, remaining = queue._ensure_prefill_info({ADDR: reqs})
             self.assertEqual((ready, remaining), ({}, reqs))
@@ -426,6 +430,39 @@ class TestEnsurePrefillInfo(CustomTestCase):
         self.assertEqual(queue._ensure_retry_count, {})
         self.assertEqual(queue._ensure_last_attempt_time, {})
 
+    def test_abort_follows_the_last_failed_attempt_not_one_interval_later(self):
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=2)
+        early, late = [make_req()], [make_req()]
+
+        queue._ensure_prefill_info({ADDR: early})  # attempt 1 fails
+        self.pass_interval(queue)
+        queue._ensure_prefill_info({ADDR: early})  # attempt 2 fails
+
+        # The next cycle aborts at once, as 0.5.23 did after the last attempt;
+        # a request added after that starts on a fresh budget.
+        queue._ensure_prefill_info({ADDR: early})
+        early[0].kv_receiver.abort.assert_called_once()
+        queue._ensure_prefill_info({ADDR: late})
+        self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 3)
+        self.assertEqual(queue._ensure_retry_count[ADDR], 1)
+        late[0].kv_receiver.abort.assert_not_called()
+
+    def test_cleared_receiver_does_not_crash_the_abort(self):
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=1)
+        queue._ensure_retry_count[ADDR] = 1
+        queue._ensure_last_attempt_time[ADDR] = 0.0
+        cleared = mock.MagicMock(kv_receiver=None)
+        live = make_req()
+
+        ready, remaining = queue._ensure_prefill_info({ADDR: [cleared, live]})
+
+        self.assertEqual((ready, remaining), ({}, []))
+        live.kv_receiver.abort.assert_called_once()
+        kv_manager.try_ensure_parallel_info.assert_not_called()
+        self.assertEqual(queue._ensure_retry_count, {})
+
     def test_the_abort_records_the_cause(self):
         kv_manager = make_kv_manager()
         queue = make_spec_queue(kv_manager, max_retries=1)
@@ -475,6 +512,22 @@ class TestEnsurePrefillInfo(CustomTestCase):
         live.kv_receiver.abort.assert_called_once()
         kv_manager.try_ensure_parallel_info.assert_not_called()
         self.assertEqual(queue._ensure_retry_count, {})
+
+
+    def test_a_fetch_running_past_its_bound_is_a_failed_attempt(self):
+        # requests' timeout bounds each read: a peer that trickles holds the
+        # fetch for as long as it likes. Past the bound it counts as spent.
+        kv_manager = make_kv_manager()
+        queue = make_spec_queue(kv_manager, max_retries=2)
+        reqs = [make_req()]
+        queue._ensure_prefill_info({ADDR: reqs})
+        kv_manager.parallel_info_fetch_in_flight.return_value = True
+        queue._ensure_last_attempt_time[ADDR] -= BOOTSTRAP_QUERY_TIMEOUT_S
+
+        self.assertEqual(queue._ensure_prefill_info({ADDR: reqs}), ({}, reqs))
+        kv_manager.abandon_parallel_info_fetch.assert_called_once_with(ADDR)
+        self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 2)
+        self.assertEqual(queue._ensure_retry_count[ADDR], 2)
 
 
 if __name__ == "__main__":

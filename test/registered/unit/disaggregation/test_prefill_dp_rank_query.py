@@ -373,16 +373,47 @@ class TestDpRankRetryBudget(_Base):
         decode_req.kv_receiver.abort.assert_called_once()
 
     def test_a_malformed_answer_is_a_failed_attempt(self):
-        for body in (b'["1"]', b'{"1": "x"}', b"not json"):
+        for body in ('["1"]', '{"1": "x"}', "not json"):
             with self.subTest(body=body):
-                response = conn_mod._BootstrapResponse(200, body)
+                session = SimpleNamespace(
+                    post=lambda *args, **kwargs: FakeResponse(body)
+                )
                 with mock.patch.object(
-                    conn_mod._bootstrap_http, "post", return_value=response
+                    conn_mod, "_get_bootstrap_session", return_value=session
                 ):
                     self.assertEqual(
                         CommonKVReceiver.query_prefill_dp_ranks(self.server.addr, [1]),
                         {},
                     )
+
+    def test_a_query_that_hangs_is_given_up_and_asked_again(self):
+        decode_req = self.pend_abortable(93)
+        self.server.hold.clear()
+        self.queue.prefetch_prefill_dp_rank_queries()
+        self.assertTrue(self.server.held.wait(_WAIT_S))
+        self.clock.now += conn_mod.BOOTSTRAP_QUERY_TIMEOUT_S - 1
+        self.queue._resolve_pending_reqs()
+        self.assertIn(self.server.addr, self.queue._prefill_dp_rank_queries)
+
+        self.clock.now += 1
+        with self.assertLogs(decode_mod.logger, "WARNING") as logs:
+            self.queue._resolve_pending_reqs()
+        self.assertIn("has not ended", logs.output[0])
+        # Asked again at once, on the prefill's other thread.
+        self.assertEqual(self.server.bodies, [[93]])
+        self.server.hold.set()
+        self.drain()
+        self.queue._resolve_pending_reqs()
+        decode_req.kv_receiver.init.assert_called_once_with(93 % 8)
+
+
+class FakeResponse:
+    def __init__(self, text):
+        self.status_code = 200
+        self.text = text
+
+    def json(self):
+        return json.loads(self.text)
 
 
 class TestDropIdleEnsureState(_Base):

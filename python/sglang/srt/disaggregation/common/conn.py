@@ -2,22 +2,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import dataclasses
-import http.client
-import json
 import logging
-import os
-import queue
-import socket
 import threading
 import time
-import urllib.parse
 from collections import defaultdict, deque
 from contextlib import nullcontext
 from typing import (
     Callable,
-    Deque,
     Dict,
     List,
     Literal,
@@ -58,7 +50,7 @@ from sglang.srt.disaggregation.utils import (
     filter_kv_indices_for_shard_rank,
     get_dsv41_spec_layout,
 )
-from sglang.srt.environ import EnvFloat, envs
+from sglang.srt.environ import envs
 from sglang.srt.mem_cache.page_interleave import get_kv_shard_group
 from sglang.srt.observability.trace import TraceNullContext, TraceReqContext
 from sglang.srt.runtime_context import (
@@ -83,1230 +75,207 @@ logger = logging.getLogger(__name__)
 
 ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
-# Sent with the ABORT of a room the decode failed while its prefill was
-# unreachable, once that prefill answers again; the prefill fails with it.
-ORPHANED_ROOM_ABORT_REASON = (
-    "decode gave up on this request while this prefill was unreachable"
-)
-# How long ZMQ may still deliver those ABORTs once their socket is closed.
-ORPHANED_ABORT_LINGER_S = 2.0
-
-# Decode-side bootstrap queries (parallel info, dp ranks, per-rank routes) run
-# on a fetch pool, never on the scheduler thread. requests' timeout=5 bounds
-# connect and each read, not a query's total time: a query still running this
-# long after it was submitted is overdue, and a new attempt may replace it.
-BOOTSTRAP_FETCH_TIMEOUT_S = 10
-# Threads one prefill may hold per kind of call (its lane). However many
-# prefills hang, each keeps only its own: another prefill's calls still start
-# at once.
-BOOTSTRAP_FETCH_LANE_WORKERS = {"bootstrap": 2, "health": 1, "rebootstrap": 4}
-# A lane thread with nothing to run for this long ends.
-BOOTSTRAP_FETCH_LANE_IDLE_S = 60.0
-# A heartbeat probe (timeout=(2, 3)) still running this long has failed.
+# requests' timeout=5 bounds a bootstrap query's connect and each read, not its
+# total: a query still running this long (a peer that trickles) is given up,
+# and counted as a failed attempt.
+BOOTSTRAP_QUERY_TIMEOUT_S = 10
+# Threads each prefill may hold for the decode's calls to it (_PrefillThreads).
+PREFILL_THREADS = 2
+# A heartbeat probe (timeout=(2, 3)) not answered this long is a miss.
 HEARTBEAT_PROBE_TIMEOUT_S = 5
 
 
-def _env_float(name: str, default: float) -> EnvFloat:
-    """An envs field outside sglang.srt.environ.Envs, where these belong
-    upstream (environ.py is not among the files this patch changes)."""
-    field = EnvFloat(default)
-    field.name = name
-    return field
+class _PrefillThreads:
+    """The decode's threads for its calls to prefill servers, at most
+    ``per_prefill`` for each prefill: a call runs on those of the prefill
+    whose bootstrap_addr is its first argument (parallel info, dp ranks,
+    routes, heartbeat probes), so a prefill that hangs or trickles holds only
+    its own, however many do. Other calls (a PD-retract /generate) go to
+    ``shared``, 0.5.23's executor. Threads are daemons that end after
+    ``idle_s`` without work: a prefill that is gone keeps none, and a hung one
+    delays neither teardown nor exit. submit() and shutdown() are
+    ThreadPoolExecutor's."""
 
-
-# The prefill side's bounds on one decode (_TransferLanes, _PushSender).
-# A KV chunk to a decode that has not ended this long after it started fails
-# its room and the rooms queued behind it for that decode. Mooncake's own
-# MC_TRANSFER_TIMEOUT is 30 s; NIXL's wait had no bound.
-SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT = _env_float(
-    "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT", 30.0
-)
-# The first contact with a decode (Mooncake: a probe before the engine opens
-# its segment, under a lock every transfer takes) that has not answered this
-# long fails the rooms waiting for it.
-SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT = _env_float(
-    "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT", 10.0
-)
-# Messages held for a decode whose socket took none of them this long are
-# dropped. 0.5.23 blocked the sending thread this long (SNDTIMEO).
-SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT = _env_float(
-    "SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT", 30.0
-)
-# Decode destinations with a transfer lane of their own at once; past this,
-# new ones share TRANSFER_LANES_SHARED lanes.
-SGLANG_DISAGGREGATION_MAX_TRANSFER_LANES = _env_float(
-    "SGLANG_DISAGGREGATION_MAX_TRANSFER_LANES", 256
-)
-TRANSFER_LANES_SHARED = 4
-# A transfer lane with nothing to send for this long ends.
-TRANSFER_LANE_IDLE_S = 60.0
-
-
-# Idle keep-alive connections kept per bootstrap server, and for how long.
-BOOTSTRAP_HTTP_IDLE_MAX = 2
-BOOTSTRAP_HTTP_IDLE_S = 30.0
-
-
-class _BootstrapResponse(NamedTuple):
-    status_code: int
-    content: bytes
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", errors="replace")
-
-    def json(self):
-        return json.loads(self.content)
-
-
-class _BootstrapHTTP:
-    """Keep-alive HTTP connections from the decode to prefill bootstrap
-    servers, for the bootstrap queries and heartbeat probes.
-
-    A connection serves one request at a time. While it does, the bootstrap
-    fetch running on that thread owns its socket, and retiring that fetch
-    shuts down that socket and no other: a read that a peer answering a byte
-    at a time keeps alive ends at once. Idle connections are kept per
-    bootstrap_addr, at most BOOTSTRAP_HTTP_IDLE_MAX, and closed after
-    BOOTSTRAP_HTTP_IDLE_S (sweep) or when their prefill is marked failed
-    (forget). Connections go straight to the prefill, as its ZMQ and KV ports
-    are reached: no HTTP proxy of the environment is used."""
-
-    def __init__(
-        self,
-        idle_max: int = BOOTSTRAP_HTTP_IDLE_MAX,
-        idle_s: float = BOOTSTRAP_HTTP_IDLE_S,
-    ):
-        self._idle_max = idle_max
-        self._idle_s = idle_s
-        self._lock = threading.Lock()
-        # bootstrap_addr -> [(idle since, connection)], oldest first.
-        self._idle: Dict[str, List[Tuple[float, http.client.HTTPConnection]]] = {}
-
-    def get(self, url: str, timeout=5) -> _BootstrapResponse:
-        return self.request("GET", url, timeout=timeout)
-
-    def post(self, url: str, json=None, timeout=5) -> _BootstrapResponse:
-        return self.request("POST", url, json_body=json, timeout=timeout)
-
-    def request(
-        self, method: str, url: str, *, json_body=None, timeout=5
-    ) -> _BootstrapResponse:
-        """One request to ``http://{bootstrap_addr}/...``. ``timeout`` bounds
-        the connect and each read, as requests' does, and may be a (connect,
-        read) pair. Raises OSError or http.client.HTTPException."""
-        parts = urllib.parse.urlsplit(url)
-        bootstrap_addr = parts.netloc
-        path = parts.path + (f"?{parts.query}" if parts.query else "")
-        connect_timeout, read_timeout = (
-            timeout if isinstance(timeout, tuple) else (timeout, timeout)
-        )
-        body = None
-        headers = {"Connection": "keep-alive"}
-        if json_body is not None:
-            body = json.dumps(json_body).encode()
-            headers["Content-Type"] = "application/json"
-        conn = self._take(bootstrap_addr)
-        if conn is not None:
-            # Its socket still reads for the timeout of the request that made
-            # it: a heartbeat probe's 3 s would cut a 5 s lookup short.
-            conn.timeout = read_timeout
-            conn.sock.settimeout(read_timeout)
-            try:
-                return self._send(bootstrap_addr, conn, method, path, body, headers)
-            except (http.client.RemoteDisconnected, ConnectionError):
-                # The server closed the idle connection; requests retries
-                # on a new one too. A retired fetch does not.
-                if _fetch_retired():
-                    raise
-        host = NetworkAddress.parse(bootstrap_addr)
-        conn = http.client.HTTPConnection(host.host, host.port, timeout=read_timeout)
-        conn.sock = socket.create_connection((host.host, host.port), connect_timeout)
-        # http.client sends a POST's body after its headers, in a second
-        # segment, which Nagle holds until the server's delayed ACK (40 ms);
-        # requests sets TCP_NODELAY too.
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.sock.settimeout(read_timeout)
-        return self._send(bootstrap_addr, conn, method, path, body, headers)
-
-    def _send(self, bootstrap_addr, conn, method, path, body, headers):
-        fetch = getattr(_current_fetch, "fetch", None)
-        try:
-            if fetch is not None and not fetch.own_socket(conn.sock):
-                raise ConnectionAbortedError("the bootstrap fetch was retired")
-            try:
-                conn.request(method, path, body=body, headers=headers)
-                response = conn.getresponse()
-                data = response.read()
-            finally:
-                # A retired fetch's socket may be shut down: not reused.
-                reusable = fetch is None or fetch.disown_socket()
-        except BaseException:
-            conn.close()
-            raise
-        if reusable and not response.will_close:
-            self._put(bootstrap_addr, conn)
-        else:
-            conn.close()
-        return _BootstrapResponse(response.status, data)
-
-    def _take(self, bootstrap_addr: str) -> Optional[http.client.HTTPConnection]:
-        with self._lock:
-            idle = self._idle.get(bootstrap_addr)
-            if not idle:
-                return None
-            _, conn = idle.pop()
-            if not idle:
-                del self._idle[bootstrap_addr]
-        # http.client reconnects a closed connection by itself, on a socket no
-        # fetch would own: use a new one instead.
-        return conn if conn.sock is not None else None
-
-    def _put(self, bootstrap_addr: str, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(bootstrap_addr, [])
-            if len(idle) < self._idle_max:
-                idle.append((time.monotonic(), conn))
-                return
-        conn.close()
-
-    def sweep(self) -> None:
-        """Close the connections idle for longer than idle_s."""
-        deadline = time.monotonic() - self._idle_s
-        expired = []
-        with self._lock:
-            for addr in list(self._idle):
-                idle = self._idle[addr]
-                while idle and idle[0][0] < deadline:
-                    expired.append(idle.pop(0)[1])
-                if not idle:
-                    del self._idle[addr]
-        for conn in expired:
-            conn.close()
-
-    def forget(self, bootstrap_addr: str) -> None:
-        """Close the idle connections to one bootstrap server."""
-        with self._lock:
-            idle = self._idle.pop(bootstrap_addr, [])
-        for _, conn in idle:
-            conn.close()
-
-    def idle_count(self) -> int:
-        with self._lock:
-            return sum(map(len, self._idle.values()))
-
-
-_bootstrap_http = _BootstrapHTTP()
-# What a failed bootstrap query raises: the network, HTTP, a malformed body.
-_BOOTSTRAP_HTTP_ERRORS = (OSError, http.client.HTTPException, ValueError)
-
-
-def _log_bootstrap_error(message: str) -> None:
-    # A retired fetch's request was cut off on purpose: not an error.
-    if _fetch_retired():
-        logger.debug(f"{message} (the fetch was retired)")
-    else:
-        logger.error(message)
-
-
-def _shutdown_socket(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed
-
-
-class _BootstrapFetch(concurrent.futures.Future):
-    """A task of _BootstrapFetchPool, bounded in time from its submission: a
-    lane holds one prefill's calls only, so a wait in it is that prefill's
-    own."""
-
-    def __init__(
-        self,
-        pool: _BootstrapFetchPool,
-        lane_key: Tuple[str, str],
-        fn: Callable,
-        args: tuple,
-        kwargs: dict,
-        timeout_s: float,
-    ):
-        super().__init__()
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
-        self.timeout_s = timeout_s
-        self.submitted_at = time.monotonic()
-        # Set by retire(); the body then drops what it got (_fetch_retired).
-        self.retired = False
-        self._pool = pool
-        self.lane_key = lane_key
-        self._sock_lock = threading.Lock()
-        # The socket of the request it is making now (_BootstrapHTTP).
-        self._sock: Optional[socket.socket] = None
-
-    def overdue(self) -> bool:
-        return not self.done() and time.monotonic() - self.submitted_at > self.timeout_s
-
-    def own_socket(self, sock: socket.socket) -> bool:
-        """Take ``sock`` for a request; False once retired."""
-        with self._sock_lock:
-            if self.retired:
-                return False
-            self._sock = sock
-            return True
-
-    def disown_socket(self) -> bool:
-        """The request is over; False if it was cut off by retire()."""
-        with self._sock_lock:
-            self._sock = None
-            return not self.retired
-
-    def retire(self) -> None:
-        """Drop this task: it does not run if still queued; if running, its
-        answer is dropped and the request it is making is cut off, so that its
-        thread and socket come back now rather than when the peer gives up."""
-        with self._sock_lock:
-            self.retired = True
-            if self._sock is not None:
-                _shutdown_socket(self._sock)
-        if self.cancel():
-            self._pool._discard(self)
-
-
-_current_fetch = threading.local()
-
-
-def _fetch_retired() -> bool:
-    """Whether the bootstrap fetch running on this thread was retired, so its
-    answer must not be published. False off _BootstrapFetchPool."""
-    fetch = getattr(_current_fetch, "fetch", None)
-    return fetch is not None and fetch.retired
-
-
-def bootstrap_fetch_overdue(future: concurrent.futures.Future) -> bool:
-    """A future of _BootstrapFetchPool past its time bound; any other
-    future has none."""
-    return isinstance(future, _BootstrapFetch) and future.overdue()
-
-
-class _FetchLane:
-    """The queued tasks and the threads of one (prefill, kind of call)."""
-
-    __slots__ = ("tasks", "threads", "idle", "cond")
-
-    def __init__(self, lock: threading.Lock):
-        self.tasks: Deque[_BootstrapFetch] = deque()
-        self.threads = 0
-        self.idle = 0
-        self.cond = threading.Condition(lock)
-
-
-class _BootstrapFetchPool:
-    """The decode side's threads for HTTP to prefill servers: bootstrap
-    queries, heartbeat probes and rebootstrap /generate calls.
-
-    Each (prefill, kind of call) has a lane of its own with at most
-    BOOTSTRAP_FETCH_LANE_WORKERS threads, so a sick prefill holds only its
-    own, however many hang. submit() returns a concurrent.futures.Future and
-    shutdown() takes ThreadPoolExecutor's arguments. Lane threads are daemon
-    threads, started by the pool's spawner thread (never inside submit(),
-    i.e. a scheduling cycle), and end when idle.
-    """
-
-    def __init__(
-        self,
-        thread_name_prefix: str,
-        lane_workers: Optional[Dict[str, int]] = None,
-        idle_s: float = BOOTSTRAP_FETCH_LANE_IDLE_S,
-    ):
-        self._prefix = thread_name_prefix
-        self._lane_workers = dict(lane_workers or BOOTSTRAP_FETCH_LANE_WORKERS)
+    def __init__(self, shared, per_prefill: int = PREFILL_THREADS, idle_s=60.0):
+        self._shared = shared
+        self._per_prefill = per_prefill
         self._idle_s = idle_s
         self._lock = threading.Lock()
         self._stopped = False
-        self._lanes: Dict[Tuple[str, str], _FetchLane] = {}
-        # Queued and running tasks, by prefill and by call (for find()).
-        self._by_addr: Dict[str, Set[_BootstrapFetch]] = {}
-        self._by_call: Dict[tuple, _BootstrapFetch] = {}
-        self._threads: Set[threading.Thread] = set()
-        self._spawn_queue = queue.SimpleQueue()
-        self._spawner = threading.Thread(
-            target=self._spawn_lane_threads, name=f"{self._prefix}-spawner", daemon=True
-        )
-        self._spawner.start()
+        # bootstrap_addr -> its queued calls, its threads and how many idle.
+        self._tasks: Dict[str, deque] = {}
+        self._threads: Dict[str, int] = {}
+        self._idle: Dict[str, int] = {}
+        self._wake: Dict[str, threading.Condition] = {}
 
-    @staticmethod
-    def _lane_of(args: tuple) -> Tuple[str, str]:
-        """A bootstrap query takes its prefill's bootstrap_addr first; a
-        rebootstrap /generate, the receiver of that prefill."""
-        target = args[0] if args else None
-        if isinstance(target, str):
-            return target, "bootstrap"
-        addr = getattr(target, "bootstrap_addr", None)
-        if isinstance(addr, str):
-            return addr, "rebootstrap"
-        return "", "bootstrap"
-
-    def submit(self, fn, /, *args, **kwargs) -> _BootstrapFetch:
-        return self.submit_to(None, BOOTSTRAP_FETCH_TIMEOUT_S, fn, *args, **kwargs)
-
-    def submit_with_timeout(
-        self, timeout_s: float, fn, /, *args, **kwargs
-    ) -> _BootstrapFetch:
-        return self.submit_to(None, timeout_s, fn, *args, **kwargs)
-
-    def submit_to(
-        self, kind: Optional[str], timeout_s: float, fn, /, *args, **kwargs
-    ) -> _BootstrapFetch:
-        addr, default_kind = self._lane_of(args)
-        key = (addr, kind or default_kind)
-        fetch = _BootstrapFetch(self, key, fn, args, kwargs, timeout_s)
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        if not args or not isinstance(args[0], str):
+            return self._shared.submit(fn, *args, **kwargs)
+        addr = args[0]
+        future = concurrent.futures.Future()
         with self._lock:
             if self._stopped:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            lane = self._lanes.get(key)
-            if lane is None:
-                lane = self._lanes[key] = _FetchLane(self._lock)
-            lane.tasks.append(fetch)
-            self._by_addr.setdefault(addr, set()).add(fetch)
-            call = _call_key(fn, args)
-            if call is not None:
-                self._by_call[call] = fetch
-            if len(lane.tasks) > lane.idle and lane.threads < self._lane_workers.get(
-                key[1], 1
-            ):
-                lane.threads += 1
-                self._spawn_queue.put((key, lane))
-            lane.cond.notify()
-        return fetch
-
-    def find(self, fn, /, *args) -> Optional[_BootstrapFetch]:
-        """The queued or running task of ``fn(*args)`` that is not retired."""
-        call = _call_key(fn, args)
-        fetch = self._by_call.get(call) if call is not None else None
-        return fetch if fetch is not None and not fetch.retired else None
-
-    def retire_for(self, bootstrap_addr: str) -> None:
-        """Retire the queued and running calls to one prefill. The caller
-        holds the lock under which those tasks publish their answers."""
-        with self._lock:
-            fetches = list(self._by_addr.get(bootstrap_addr, ()))
-        for fetch in fetches:
-            fetch.retire()
-
-    def thread_count(self) -> int:
-        return len(self._threads)
-
-    def in_flight(self) -> int:
-        """Tasks queued or running (retired ones until they end)."""
-        with self._lock:
-            return sum(map(len, self._by_addr.values()))
-
-    def _spawn_lane_threads(self) -> None:
-        while True:
-            item = self._spawn_queue.get()
-            if item is None:
-                return
-            key, lane = item
-            thread = threading.Thread(
-                target=self._run_lane,
-                args=(key, lane),
-                name=f"{self._prefix}-{key[1]}-{key[0]}",
-                daemon=True,
-            )
-            with self._lock:
-                self._threads.add(thread)
-            try:
-                thread.start()
-            except RuntimeError:
-                logger.exception(
-                    f"Could not start a bootstrap fetch thread for [{key[0]}]"
-                )
-                with self._lock:
-                    self._threads.discard(thread)
-                    lane.threads -= 1
-
-    def _run_lane(self, key: Tuple[str, str], lane: _FetchLane) -> None:
-        try:
-            while True:
-                with self._lock:
-                    while not lane.tasks and not self._stopped:
-                        lane.idle += 1
-                        notified = lane.cond.wait(self._idle_s)
-                        lane.idle -= 1
-                        if not notified:
-                            break
-                    if not lane.tasks:
-                        lane.threads -= 1
-                        if lane.threads == 0 and self._lanes.get(key) is lane:
-                            del self._lanes[key]
-                        return
-                    fetch = lane.tasks.popleft()
-                self._run(fetch)
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
-
-    def _run(self, fetch: _BootstrapFetch) -> None:
-        if fetch.set_running_or_notify_cancel():
-            _current_fetch.fetch = fetch
-            try:
-                result = fetch.fn(*fetch.args, **fetch.kwargs)
-            except BaseException as e:
-                fetch.set_exception(e)
-            else:
-                fetch.set_result(result)
-            finally:
-                _current_fetch.fetch = None
-        with self._lock:
-            self._forget(fetch)
-
-    def _discard(self, fetch: _BootstrapFetch) -> None:
-        """A queued task was cancelled: it leaves its lane now."""
-        with self._lock:
-            lane = self._lanes.get(fetch.lane_key)
-            if lane is not None and fetch in lane.tasks:
-                lane.tasks.remove(fetch)
-            self._forget(fetch)
-
-    def _forget(self, fetch: _BootstrapFetch) -> None:
-        addr = fetch.lane_key[0]
-        fetches = self._by_addr.get(addr)
-        if fetches is not None:
-            fetches.discard(fetch)
-            if not fetches:
-                del self._by_addr[addr]
-        call = _call_key(fetch.fn, fetch.args)
-        if call is not None and self._by_call.get(call) is fetch:
-            del self._by_call[call]
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """As ThreadPoolExecutor's, except that running tasks are retired:
-        teardown never waits on a prefill."""
-        with self._lock:
-            self._stopped = True
-            fetches = [f for tasks in self._by_addr.values() for f in tasks]
-            for lane in self._lanes.values():
-                lane.cond.notify_all()
-        for fetch in fetches:
-            if cancel_futures or fetch.running():
-                fetch.retire()
-        self._spawn_queue.put(None)
-        if wait:
-            # The spawner first: it starts the threads still owed to lanes.
-            self._spawner.join()
-            with self._lock:
-                threads = list(self._threads)
-            for thread in threads:
-                thread.join()
-
-
-def _call_key(fn, args: tuple) -> Optional[tuple]:
-    key = (fn, args)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-class _HeldMessages:
-    """The messages one endpoint's socket did not take: its SNDHWM is full."""
-
-    __slots__ = ("items", "since", "sock")
-
-    def __init__(self, item: tuple, sock: zmq.Socket):
-        self.items: Deque[tuple] = deque([item])
-        # When the first of them came first in line.
-        self.since = time.monotonic()
-        self.sock = sock
-
-
-class _PushSender:
-    """Sends the decode's control messages to prefill ranks (KV args
-    registration, KV metadata, BOOTSTRAP, ABORT) on a thread of its own,
-    each endpoint's in the order they were posted. It is the only thread that
-    uses the decode's PUSH sockets (CommonKVReceiver._socket_cache), closing
-    included, so no other thread waits on a prefill's socket or its lock.
-
-    A send never waits. A peer whose SNDHWM is full (it does not read) holds
-    back only its own messages; they leave as soon as its socket takes them
-    again (the thread sleeps in zmq.Poller meanwhile). Once the first of them
-    has waited SNDTIMEO, as an inline send would have, the peer is stuck and
-    every message held for it fails at once. A send that fails runs its
-    on_failure. A prefill marked failed (disconnect_endpoint) loses its
-    messages, which nobody waits for any more, and its socket.
-
-    A prefill KV manager has one of its own for the status messages, abort
-    acks and aux data it sends to decodes (``connect`` gives its sockets), so
-    that a decode that stops reading holds no transfer worker, and no
-    bootstrap or scheduler thread, for 0.5.23's SNDTIMEO."""
-
-    # Messages posted and not yet sent, in all and for one endpoint; past
-    # these, a post fails at once.
-    MAX_QUEUED = 65536
-    MAX_QUEUED_PER_ENDPOINT = 4096
-
-    def __init__(
-        self,
-        name: str = "pd-decode-zmq-sender",
-        connect: Optional[Callable[[object], zmq.Socket]] = None,
-        send_timeout_s: Optional[float] = None,
-    ):
-        # What a message is posted with (a prefill rank's bootstrap_info by
-        # default) gives its socket.
-        self._connect = connect or (
-            lambda info: CommonKVReceiver._connect_to_bootstrap_server(info)[0]
-        )
-        self._lock = threading.Lock()
-        # Posted and not yet taken by the sender thread: ("send", endpoint,
-        # bootstrap_info, frames, on_failure), ("forget", endpoint),
-        # ("close_all",), ("stop",) or ("barrier", event).
-        self._inbox: Deque[tuple] = deque()
-        self._queued: Dict[str, int] = {}
-        self._queued_total = 0
-        # Written to wake the sender thread from its poll.
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        # Sender thread only.
-        self._held: Dict[str, _HeldMessages] = {}
-        self._poller = zmq.Poller()
-        self._send_timeout_s = (
-            send_timeout_s
-            if send_timeout_s is not None
-            else envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get()
-        )
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def post(
-        self,
-        bootstrap_info: dict,
-        frames: List[bytes],
-        on_failure: Optional[Callable[[BaseException], None]] = None,
-    ) -> None:
-        try:
-            endpoint = NetworkAddress(
-                bootstrap_info["rank_ip"], bootstrap_info["rank_port"]
-            ).to_tcp()
-        except Exception as e:
-            self._failed(bootstrap_info, on_failure, e)
-            return
-        self.post_to(endpoint, bootstrap_info, frames, on_failure)
-
-    def post_to(
-        self,
-        endpoint: str,
-        target: object,
-        frames: List[bytes],
-        on_failure: Optional[Callable[[BaseException], None]] = None,
-    ) -> None:
-        """Post to ``endpoint``, whose socket ``connect(target)`` gives."""
-        with self._lock:
-            full = (
-                self._queued_total >= self.MAX_QUEUED
-                or self._queued.get(endpoint, 0) >= self.MAX_QUEUED_PER_ENDPOINT
-            )
-            if not full:
-                self._queued[endpoint] = self._queued.get(endpoint, 0) + 1
-                self._queued_total += 1
-        if full:
-            self._failed(target, on_failure, queue.Full())
-            return
-        self._command("send", endpoint, target, frames, on_failure)
-
-    def forget(self, endpoint: str) -> None:
-        """Drop the messages for ``endpoint`` posted so far and close its
-        socket (see CommonKVReceiver.disconnect_endpoint)."""
-        self._command("forget", endpoint)
-
-    def close_all(self) -> None:
-        """Close every socket, after sending what was posted so far."""
-        self._command("close_all")
-
-    def close_when_sent(self, endpoint: str, linger_s: float) -> None:
-        """Close ``endpoint``'s socket once what was posted for it so far has
-        left this thread, giving ZMQ's I/O thread ``linger_s`` to deliver it;
-        kept while messages for it are held back."""
-        self._command("close_when_sent", endpoint, linger_s)
-
-    def stop(self, timeout_s: float = 3.0) -> None:
-        """Send what was posted so far if it can be sent now, fail what is
-        held, and end the thread; the sockets are the caller's to close."""
-        self._command("stop")
-        self._thread.join(timeout_s)
-
-    def barrier(self) -> threading.Event:
-        """Set once every message posted before it is sent, held back, failed
-        or dropped, and what was due to fail by then has failed."""
-        done = threading.Event()
-        self._command("barrier", done)
-        return done
-
-    def queued(self) -> int:
-        """Messages posted and not sent, failed or dropped yet."""
-        return self._queued_total
-
-    def _command(self, *item) -> None:
-        with self._lock:
-            self._inbox.append(item)
-            try:
-                self._wake_w.send(b"\0")
-            except BlockingIOError:
-                pass  # a wake-up is pending already
-
-    def _run(self) -> None:
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        while True:
-            timeout_ms = None
-            if self._held:
-                due = min(h.since for h in self._held.values()) + self._send_timeout_s
-                timeout_ms = max(0.0, due - time.monotonic()) * 1000
-            writable = dict(self._poller.poll(timeout_ms))
-            with self._lock:
-                # Every wake-up written for the commands taken here is read
-                # here, under the lock that _command writes it under: one left
-                # unread would make each poll return at once, a busy loop.
-                # (poll() reports the socketpair by its fd, not the socket.)
-                try:
-                    while self._wake_r.recv(4096):
-                        pass
-                except BlockingIOError:
-                    pass
-                items = list(self._inbox)
-                self._inbox.clear()
-            barriers = []
-            for command, *args in items:
-                if command == "send":
-                    self._take(*args)
-                elif command == "forget":
-                    self._release(args[0], None)
-                    CommonKVReceiver._close_endpoint(args[0])
-                elif command == "close_when_sent":
-                    if args[0] not in self._held:
-                        CommonKVReceiver._close_endpoint(args[0], linger_s=args[1])
-                elif command == "close_all":
-                    for endpoint in list(self._held):
-                        self._release(endpoint, zmq.ZMQError("sockets closed"))
-                    CommonKVReceiver._close_all_endpoints()
-                elif command == "stop":
-                    for endpoint in list(self._held):
-                        self._release(endpoint, zmq.ZMQError("sender stopped"))
-                    return
-                else:
-                    barriers.append(args[0])
-            now = time.monotonic()
-            for endpoint, held in list(self._held.items()):
-                if held.sock in writable:
-                    self._send_held(endpoint, held, now)
-                # Also when it polled writable but took nothing.
-                stuck = now - held.since >= self._send_timeout_s
-                if stuck and endpoint in self._held:
-                    self._release(endpoint, zmq.Again())
-            for done in barriers:
-                done.set()
-
-    def _take(self, endpoint, bootstrap_info, frames, on_failure) -> None:
-        item = (endpoint, bootstrap_info, frames, on_failure)
-        held = self._held.get(endpoint)
-        if held is not None:
-            held.items.append(item)
-            return
-        sock = self._send(item)
-        if sock is not None:
-            self._held[endpoint] = _HeldMessages(item, sock)
-            self._poller.register(sock, zmq.POLLOUT)
-
-    def _send_held(self, endpoint: str, held: _HeldMessages, now: float) -> None:
-        while held.items:
-            sock = self._send(held.items[0])
-            if sock is not None:
-                if sock is not held.sock:
-                    # connect() replaced a socket whose peer went away.
-                    self._poller.unregister(held.sock)
-                    self._poller.register(sock, zmq.POLLOUT)
-                    held.sock = sock
-                break
-            held.items.popleft()
-            held.since = now
-        if not held.items:
-            self._release(endpoint, None)
-
-    def _send(self, item: tuple) -> Optional[zmq.Socket]:
-        """Send without waiting; the socket if it cannot take it now."""
-        endpoint, target, frames, on_failure = item
-        try:
-            sock = self._connect(target)
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return sock
-        except Exception as e:
-            self._failed(target, on_failure, e)
-        self._done(endpoint, 1)
-        return None
-
-    def _release(self, endpoint: str, exc: Optional[BaseException]) -> None:
-        """Stop holding messages for ``endpoint``: those left fail with
-        ``exc``, or are dropped when it is None."""
-        held = self._held.pop(endpoint, None)
-        if held is None:
-            return
-        self._poller.unregister(held.sock)
-        self._done(endpoint, len(held.items))
-        if exc is not None:
-            for _, target, _, on_failure in held.items:
-                self._failed(target, on_failure, exc)
-        elif held.items:
-            logger.info(
-                f"Dropped {len(held.items)} control message(s) for prefill rank "
-                f"{endpoint}: it was marked failed."
-            )
-
-    def _done(self, endpoint: str, n: int) -> None:
-        with self._lock:
-            left = self._queued.get(endpoint, 0) - n
-            if left > 0:
-                self._queued[endpoint] = left
-            else:
-                self._queued.pop(endpoint, None)
-            self._queued_total -= n
-
-    @staticmethod
-    def _failed(target, on_failure, exc: BaseException) -> None:
-        if on_failure is None:
-            if isinstance(target, dict):
-                target = f"prefill {target.get('rank_ip')}:{target.get('rank_port')}"
-            logger.debug(f"Failed to send to {target}: {exc!r}")
-            return
-        try:
-            on_failure(exc)
-        except Exception:
-            logger.exception("Failed to handle a failed send to a prefill rank")
-
-
-class _TransferLane:
-    """The chunks for one decode destination, in order, and the one thread
-    that sends them: the backend's transfer_worker runs with this object as
-    its queue. get() also keeps the lane's books: the chunk it hands out is
-    the one being sent until the worker asks for the next."""
-
-    def __init__(self, lanes: "_TransferLanes", key: tuple):
-        self._lanes = lanes
-        self.key = key
-        self.chunks: Deque = deque()
-        self.cond = threading.Condition(lanes._lock)
-        # The chunk being sent and since when; the rooms the watchdog failed
-        # while it was.
-        self.running = None
-        self.running_since = 0.0
-        self.reported: Set[int] = set()
-        # False until its first chunk's first contact is over: until then the
-        # handshake bound applies.
-        self.contacted = False
-        # Its thread's id, and whether the watchdog lowered that thread's
-        # priority (see _TransferLanes._demote).
-        self.tid: Optional[int] = None
-        self.demoted = False
-
-    def put(self, chunk) -> None:
-        # transfer_worker puts a chunk it defers back on its own queue.
-        with self._lanes._lock:
-            self.chunks.append(chunk)
-            self.cond.notify()
-
-    def get(self):
-        lanes = self._lanes
-        with lanes._lock:
-            self.running = None
-            if self.demoted:
-                # Its next chunk runs on a thread of normal priority, started
-                # by the watchdog (a thread inherits its creator's priority).
-                self.demoted = False
-                lanes._restart.append(self)
-                lanes._watch.notify()
-                return None
-            while not self.chunks:
-                if lanes._stopped or not self.cond.wait(lanes.idle_s):
-                    if not self.chunks:
-                        lanes._end(self)
-                        return None
-            chunk = self.running = self.chunks.popleft()
-            self.running_since = time.monotonic()
-            self.reported = set()
-            first = not self.contacted
-            if first or lanes._watch_idle:
-                # Any other chunk running is due before this one.
-                lanes._watch.notify()
-        if first:
-            # On this lane's own thread: a decode that does not answer holds
-            # only this lane, for the handshake bound.
-            lanes.first_contact(self.key)
-            with lanes._lock:
-                self.contacted = True
-                self.running_since = time.monotonic()
-        return chunk
-
-
-class _LaneInbox(NamedTuple):
-    lanes: "_TransferLanes"
-    key: tuple
-
-    def put(self, chunk) -> None:
-        self.lanes.put(self.key, chunk)
-
-
-class _TransferLanes:
-    """The prefill's KV transfers, a lane per decode destination.
-
-    0.5.23 sends on SGLANG_DISAGGREGATION_QUEUE_SIZE queues, a room's queue
-    given by its destination ports, each with one thread that sends a chunk
-    to the end before the next: a decode that stopped answering held its
-    queue, and every decode hashed with it, for the transport's timeout (30 s
-    for Mooncake; NIXL had none). Here each destination (the decode ranks a
-    room goes to) has a queue and a thread of its own, started at its first
-    chunk and ended when idle, so a stuck decode holds only its own lane. A
-    watchdog fails the rooms of a lane whose chunk has not ended within the
-    bound: ``on_stuck(key, rooms, reason, first)``, first when the lane has
-    just become stuck, later for the rooms queued behind since. The lane's
-    thread stays in the transport until the transport gives up.
-
-    ``run_worker(lane, executor)`` runs the backend's transfer_worker with the
-    lane as its queue, until lane.get() returns None. ``first_contact(key)``
-    runs on the lane's thread before its first chunk.
-    """
-
-    SHARED = "shared"
-
-    def __init__(
-        self,
-        name: str,
-        run_worker: Callable,
-        on_stuck: Callable[[tuple, List[int], str, bool], None],
-        first_contact: Callable[[tuple], None] = lambda key: None,
-        executor_workers: int = 1,
-        max_lanes: Optional[int] = None,
-        idle_s: float = TRANSFER_LANE_IDLE_S,
-        transfer_timeout_s: Optional[float] = None,
-        handshake_timeout_s: Optional[float] = None,
-    ):
-        self.name = name
-        self._run_worker = run_worker
-        self._on_stuck = on_stuck
-        self.first_contact = first_contact
-        self._executor_workers = max(1, executor_workers)
-        if max_lanes is None:
-            max_lanes = int(SGLANG_DISAGGREGATION_MAX_TRANSFER_LANES.get())
-        self.max_lanes = max_lanes
-        self.idle_s = idle_s
-        if transfer_timeout_s is None:
-            transfer_timeout_s = SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT.get()
-        self.transfer_timeout_s = transfer_timeout_s
-        if handshake_timeout_s is None:
-            handshake_timeout_s = SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT.get()
-        self.handshake_timeout_s = handshake_timeout_s
-        self._lock = threading.Lock()
-        self._watch = threading.Condition(self._lock)
-        # The watchdog waits with no deadline: no chunk is running.
-        self._watch_idle = False
-        self._stopped = False
-        self._lanes: Dict[tuple, _TransferLane] = {}
-        self._threads: Set[threading.Thread] = set()
-        # Lanes whose demoted thread ended, to go on with a new one.
-        self._restart: List[_TransferLane] = []
-        self._watchdog = threading.Thread(
-            target=self._watch_lanes, name=f"{name}-watchdog", daemon=True
-        )
-        self._watchdog.start()
-
-    def put(self, key: tuple, chunk) -> None:
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError(f"{self.name} is shut down")
-            lane = self._lanes.get(key)
-            if lane is None and len(self._lanes) >= self.max_lanes:
-                key = (self.SHARED, hash(key) % TRANSFER_LANES_SHARED)
-                lane = self._lanes.get(key)
-            new = lane is None
-            if new:
-                lane = self._lanes[key] = _TransferLane(self, key)
-            lane.chunks.append(chunk)
-            lane.cond.notify()
-        if new:
-            self._start(lane)
-
-    def _start(self, lane: _TransferLane) -> None:
+            if addr not in self._tasks:
+                self._tasks[addr] = deque()
+                self._threads[addr] = self._idle[addr] = 0
+                self._wake[addr] = threading.Condition(self._lock)
+            self._tasks[addr].append((future, fn, args, kwargs))
+            if self._idle[addr] or self._threads[addr] >= self._per_prefill:
+                self._wake[addr].notify()
+                return future
+            self._threads[addr] += 1
         thread = threading.Thread(
-            target=self._run_lane,
-            args=(lane,),
-            name=f"{self.name}-{self.describe(lane.key)}",
-            daemon=True,
+            target=self._work, args=(addr,), name=f"pd-prefill-{addr}", daemon=True
         )
-        with self._lock:
-            self._threads.add(thread)
         try:
             thread.start()
-        except RuntimeError as e:
+        except RuntimeError as e:  # out of threads: this call fails, not decode
             with self._lock:
-                self._threads.discard(thread)
-                self._end(lane)
-                rooms = [chunk.room for chunk in lane.chunks]
-            self._on_stuck(
-                lane.key,
-                rooms,
-                f"Could not start a transfer thread for decode "
-                f"{self.describe(lane.key)}: {e}",
-                True,
-            )
+                self._threads[addr] -= 1
+                task = self._tasks[addr][-1] if self._tasks[addr] else None
+                taken = task is None or task[0] is not future
+                if not taken:
+                    self._tasks[addr].pop()
+            if not taken and future.set_running_or_notify_cancel():
+                future.set_exception(e)
+        return future
 
-    def _run_lane(self, lane: _TransferLane) -> None:
-        lane.tid = threading.get_native_id()
-        executor = concurrent.futures.ThreadPoolExecutor(
-            self._executor_workers, thread_name_prefix=f"{self.name}-layers"
-        )
-        try:
-            while True:
-                try:
-                    self._run_worker(lane, executor)
+    def _work(self, addr: str) -> None:
+        while True:
+            with self._lock:
+                tasks = self._tasks[addr]
+                if not tasks and not self._stopped:
+                    self._idle[addr] += 1
+                    self._wake[addr].wait(self._idle_s)
+                    self._idle[addr] -= 1
+                if not tasks:
+                    self._threads[addr] -= 1
+                    if self._threads[addr] == 0:
+                        for table in (self._tasks, self._threads, self._idle):
+                            del table[addr]
+                        del self._wake[addr]
                     return
-                except Exception as e:
-                    # 0.5.23's worker dies on an error it did not expect, and
-                    # its queue with it. A lane fails that room and goes on.
-                    with self._lock:
-                        chunk, lane.running = lane.running, None
-                    logger.exception(
-                        f"KV transfer to decode {self.describe(lane.key)} failed"
-                    )
-                    if chunk is not None:
-                        self._on_stuck(
-                            lane.key,
-                            [chunk.room],
-                            f"KV transfer to decode {self.describe(lane.key)} "
-                            f"failed: {e}",
-                            True,
-                        )
-        finally:
-            executor.shutdown(wait=False)
-            with self._lock:
-                self._threads.discard(threading.current_thread())
+                future, fn, args, kwargs = tasks.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:
+                    future.set_exception(e)
 
-    def _end(self, lane: _TransferLane) -> None:
-        """Caller holds _lock; the lane's thread is about to return."""
-        if self._lanes.get(lane.key) is lane:
-            del self._lanes[lane.key]
-
-    @staticmethod
-    def describe(key: tuple) -> str:
-        return ",".join(map(str, key))
-
-    def is_shared(self, key: tuple) -> bool:
-        return bool(key) and key[0] == self.SHARED
-
-    def _watch_lanes(self) -> None:
-        with self._lock:
-            while not self._stopped:
-                due, stuck = self._overdue(time.monotonic())
-                restart, self._restart = self._restart, []
-                if stuck or restart:
-                    self._lock.release()
-                    try:
-                        for lane in restart:
-                            self._start(lane)
-                        for report in stuck:
-                            try:
-                                self._on_stuck(*report)
-                            except Exception:
-                                logger.exception(
-                                    "Failed to fail a stuck transfer lane's rooms"
-                                )
-                    finally:
-                        self._lock.acquire()
-                    continue  # chunks may have started meanwhile: look again
-                self._watch_idle = due is None
-                self._watch.wait(due)
-                self._watch_idle = False
-
-    def _overdue(self, now: float) -> Tuple[Optional[float], list]:
-        """Caller holds _lock. The rooms of lanes past their bound not failed
-        yet, and how long until the watchdog should look again."""
-        due = None
-        stuck = []
-        for lane in self._lanes.values():
-            if lane.running is None:
-                continue
-            bound = (
-                self.transfer_timeout_s if lane.contacted else self.handshake_timeout_s
-            )
-            waited = now - lane.running_since
-            if waited < bound:
-                due = bound - waited if due is None else min(due, bound - waited)
-                continue
-            # Stuck: fail its rooms, and those queued behind it since.
-            due = 1.0 if due is None else min(due, 1.0)
-            first = not lane.reported
-            if first:
-                self._demote(lane)
-            rooms = [lane.running.room] + [chunk.room for chunk in lane.chunks]
-            rooms = [room for room in dict.fromkeys(rooms) if room not in lane.reported]
-            if not rooms:
-                continue
-            lane.reported.update(rooms)
-            knob, what = (
-                ("KV_TRANSFER", "taken a KV chunk")
-                if lane.contacted
-                else ("DECODE_HANDSHAKE", "answered the first contact")
-            )
-            stuck.append(
-                (
-                    lane.key,
-                    rooms,
-                    f"Decode {self.describe(lane.key)} has not {what} for "
-                    f"{waited:.0f}s (SGLANG_DISAGGREGATION_{knob}_TIMEOUT)",
-                    first,
-                )
-            )
-        return due, stuck
-
-    @staticmethod
-    def _demote(lane: _TransferLane) -> None:
-        """A stuck lane's thread may be spinning in the transport (Mooncake's
-        batch_transfer_sync_write polls until MC_TRANSFER_TIMEOUT, and has no
-        non-blocking poll for a batch): give it the lowest priority, so that
-        it takes only CPU no other thread wants."""
-        if lane.tid is None:
-            return
-        try:
-            os.setpriority(os.PRIO_PROCESS, lane.tid, 19)
-        except (AttributeError, OSError) as e:
-            logger.debug(f"Could not lower the priority of a stuck lane: {e}")
-            return
-        lane.demoted = True
-
-    def inbox(self, key: tuple) -> "_LaneInbox":
-        """What ``put(chunk)`` puts a chunk on ``key``'s lane."""
-        return _LaneInbox(self, key)
-
-    def lane_count(self) -> int:
-        return len(self._lanes)
-
-    def thread_count(self) -> int:
-        return len(self._threads)
-
-    def shutdown(self, timeout_s: float = 3.0) -> None:
-        """Take no more chunks; each lane sends what it holds and ends. A
-        thread still in a transport call after ``timeout_s`` is left behind
-        (daemon)."""
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """As ThreadPoolExecutor's, but never waits on a prefill."""
         with self._lock:
             self._stopped = True
-            for lane in self._lanes.values():
-                lane.cond.notify_all()
-            self._watch.notify_all()
-            threads = list(self._threads)
-        deadline = time.monotonic() + timeout_s
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self._watchdog.join(max(0.0, deadline - time.monotonic()))
+            for addr, tasks in self._tasks.items():
+                if cancel_futures:
+                    for future, *_ in tasks:
+                        future.cancel()
+                    tasks.clear()
+                self._wake[addr].notify_all()
+        self._shared.shutdown(wait=False, cancel_futures=cancel_futures)
 
 
-class _OrphanedRooms:
-    """Rooms a decode failed because their prefill was unreachable, by the
-    prefill's bootstrap_addr, with the prefill's rank endpoints. That prefill
-    may still hold those requests once it comes back, waiting up to
-    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT for a decode bootstrap that never
-    comes, and its client with it; so the decode sends their ABORT at each of
-    the first SENDS heartbeats the prefill answers (it may not have taken a
-    request in yet at the first). Bounded: at most MAX_ROOMS rooms (the
-    oldest go first), none older than the prefill's bootstrap timeout, and a
-    prefill's endpoints are kept as long as its rooms, or that timeout."""
+# Reuse a keep-alive session per bootstrap_addr for decode-side bootstrap queries
+# so we don't open a fresh TCP connection per query (that churns short-lived
+# sockets and can exhaust ephemeral ports under high concurrency). Thread-local
+# because requests.Session is not safe for concurrent cross-thread use.
+_bootstrap_sessions = threading.local()
 
-    MAX_ROOMS = 4096
-    SENDS = 3
 
-    def __init__(self, max_age_s: float):
-        self.max_age_s = max_age_s
+def _get_bootstrap_session(bootstrap_addr: str) -> requests.Session:
+    sessions = getattr(_bootstrap_sessions, "by_addr", None)
+    if sessions is None:
+        sessions = {}
+        _bootstrap_sessions.by_addr = sessions
+    session = sessions.get(bootstrap_addr)
+    if session is None:
+        # Not evicted: the number of bootstrap_addr is bounded (one per prefill
+        # server). Bootstrap is http-only, so only http:// is mounted.
+        session = requests.Session()
+        session.mount(
+            "http://", requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=1)
+        )
+        sessions[bootstrap_addr] = session
+    return session
+
+
+class _TransferScheduler:
+    """The prefill's KV chunks, a FIFO per destination (the decode ranks a
+    room goes to), served by the backend's transfer workers, whose number is
+    fixed at startup (SGLANG_DISAGGREGATION_QUEUE_SIZE, as in 0.5.23). A
+    worker's get() takes the next chunk of the destination that has waited
+    longest, and no other worker takes that destination's chunks until this
+    one asks for its next. A room's chunks thus go out in order, one at a
+    time, and a decode that stops answering holds one worker, with its rooms
+    queued behind it; the other workers serve the other decodes.
+    ``first_contact(destination)`` runs on the worker before a destination's
+    first chunk."""
+
+    def __init__(self, first_contact: Optional[Callable[[tuple], None]] = None):
+        self._first_contact = first_contact
         self._lock = threading.Lock()
-        # addr -> room -> [failed at (monotonic), sends left]
-        self._rooms: Dict[str, Dict[int, List]] = {}
-        # addr -> (learned at (monotonic), endpoints)
-        self._endpoints: Dict[str, Tuple[float, Set[Tuple[str, int]]]] = {}
+        self._ready = threading.Condition(self._lock)
+        self._chunks: Dict[tuple, deque] = {}
+        # Destinations with chunks and no worker on them, oldest first.
+        self._turns: deque = deque()
+        self._contacted: Set[tuple] = set()
+        self._stopped = False
 
-    def add_endpoints(self, addr: str, endpoints: Set[Tuple[str, int]]) -> None:
-        now = time.monotonic()
+    def put(self, destination: tuple, chunk) -> None:
         with self._lock:
-            if endpoints:
-                known = self._endpoints.get(addr, (now, set()))[1]
-                self._endpoints[addr] = (now, known | endpoints)
-            self._evict(now)
+            chunks = self._chunks.get(destination)
+            if chunks is None:
+                chunks = self._chunks[destination] = deque()
+                self._turns.append(destination)
+                self._ready.notify()
+            chunks.append(chunk)
 
-    def add(self, addr: str, rooms: List[int]) -> int:
-        """Remember ``rooms``; returns how many were kept (none when the
-        prefill's rank endpoints were never learned)."""
-        now = time.monotonic()
+    def worker_queue(self) -> "_WorkerQueue":
+        """The queue one transfer worker runs on: transfer_worker(queue, ...)."""
+        return _WorkerQueue(self)
+
+    def shutdown(self) -> None:
+        """Each worker's next get() returns None, which stops it."""
         with self._lock:
-            if not rooms or addr not in self._endpoints:
-                return 0
-            by_room = self._rooms.setdefault(addr, {})
-            for room in rooms:
-                by_room[room] = [now, self.SENDS]
-            self._evict(now)
-            return len(rooms)
-
-    def addrs(self) -> List[str]:
-        with self._lock:
-            self._evict(time.monotonic())
-            return list(self._rooms)
-
-    def count(self) -> int:
-        """Rooms remembered; no lock, for the state log."""
-        return sum(map(len, list(self._rooms.values())))
-
-    def take(self, addr: str) -> Tuple[List[Tuple[str, int]], List[int]]:
-        """(endpoints, rooms) to abort now that ``addr`` answered; counts a
-        send for each room and forgets those that had their last."""
-        with self._lock:
-            self._evict(time.monotonic())
-            by_room = self._rooms.get(addr)
-            if not by_room:
-                return [], []
-            rooms = list(by_room)
-            for room in rooms:
-                by_room[room][1] -= 1
-                if by_room[room][1] <= 0:
-                    del by_room[room]
-            if not by_room:
-                del self._rooms[addr]
-            return sorted(self._endpoints.get(addr, (0, ()))[1]), rooms
-
-    def _evict(self, now: float) -> None:
-        entries = [
-            (failed_at, addr, room)
-            for addr, by_room in self._rooms.items()
-            for room, (failed_at, _) in by_room.items()
-        ]
-        entries.sort()
-        excess = len(entries) - self.MAX_ROOMS
-        for i, (failed_at, addr, room) in enumerate(entries):
-            if i < excess or now - failed_at > self.max_age_s:
-                del self._rooms[addr][room]
-        for addr in [a for a, by_room in self._rooms.items() if not by_room]:
-            del self._rooms[addr]
-        for addr, (learned_at, _) in list(self._endpoints.items()):
-            if addr not in self._rooms and (
-                now - learned_at > self.max_age_s
-                or len(self._endpoints) > self.MAX_ROOMS
-            ):
-                del self._endpoints[addr]
-
-    def endpoint_count(self) -> int:
-        """Prefills whose endpoints are kept; no lock, for the state log."""
-        return len(self._endpoints)
+            self._stopped = True
+            self._ready.notify_all()
 
 
-def get_bootstrap_key(
-    bootstrap_addr: str, prefill_dp_rank: int, target_cp_rank: int, target_tp_rank
-) -> str:
-    """connection_pool key of the routes to one prefill (dp, cp, tp) rank."""
-    return f"{bootstrap_addr}_{prefill_dp_rank}_{target_cp_rank}_{target_tp_rank}"
+class _Inbox(NamedTuple):
+    scheduler: _TransferScheduler
+    destination: tuple
+
+    def put(self, chunk) -> None:
+        self.scheduler.put(self.destination, chunk)
+
+
+class _WorkerQueue:
+    def __init__(self, scheduler: _TransferScheduler):
+        self._scheduler = scheduler
+        # The destination this worker is on: its last chunk's.
+        self._destination: Optional[tuple] = None
+
+    def get(self):
+        scheduler = self._scheduler
+        with scheduler._lock:
+            done = self._destination
+            if done is not None and scheduler._chunks[done]:
+                scheduler._turns.append(done)
+            elif done is not None:
+                del scheduler._chunks[done]
+            self._destination = None
+            while not scheduler._turns and not scheduler._stopped:
+                scheduler._ready.wait()
+            if scheduler._stopped:
+                return None
+            destination = self._destination = scheduler._turns.popleft()
+            chunk = scheduler._chunks[destination].popleft()
+            first = destination not in scheduler._contacted
+            scheduler._contacted.add(destination)
+        if first and scheduler._first_contact is not None:
+            scheduler._first_contact(destination)
+        return chunk
 
 
 class KVTransferError(Exception):
@@ -1403,9 +372,6 @@ class AbortNotification(msgspec.Struct, frozen=True):
     decode_ip: Optional[str] = None
     decode_port: Optional[int] = None
     generation: Optional[int] = None
-    # Why the decode gave up, in a frame after the generation: 0.5.23 reads
-    # no further than the generation and ignores it.
-    reason: Optional[str] = None
 
     @classmethod
     def from_zmq(cls, msg: List[bytes]) -> Optional[AbortNotification]:
@@ -1435,13 +401,11 @@ class AbortNotification(msgspec.Struct, frozen=True):
                 generation = int(msg[4].decode("ascii"))
             except (ValueError, UnicodeDecodeError):
                 logger.warning("Malformed ABORT message: invalid generation")
-        reason = msg[5].decode("utf-8", errors="replace") if len(msg) >= 6 else None
         return cls(
             room=room,
             decode_ip=decode_ip,
             decode_port=decode_port,
             generation=generation,
-            reason=reason,
         )
 
     def to_zmq(self) -> List[bytes]:
@@ -1455,8 +419,6 @@ class AbortNotification(msgspec.Struct, frozen=True):
             )
             if self.generation is not None:
                 frames.append(str(self.generation).encode("ascii"))
-                if self.reason is not None:
-                    frames.append(self.reason.encode("utf-8"))
         return frames
 
     def deferred_ack_target(self) -> Optional[AckTarget]:
@@ -1513,14 +475,9 @@ class CommonKVManager(BaseKVManager):
     defer_decode_allocation: bool = False
     deferred_bootstrap: Optional[DeferredBootstrap] = None
     _staging_ctx = None
-    # Prefill side: the thread that sends to decodes and the per-decode
-    # transfer lanes (None on a manager built without __init__, which sends
-    # inline as 0.5.23 did).
-    _status_sender: Optional[_PushSender] = None
-    _transfer_lanes: Optional[_TransferLanes] = None
-    # Messages to decodes dropped since the last log line about them.
-    _status_drops: int = 0
-    _status_drop_logged_at: float = float("-inf")
+    # Prefill side: what serves the KV transfers, in place of 0.5.23's
+    # queues a room's chunks were hashed to (see _transfer_queue).
+    _transfer_scheduler: Optional[_TransferScheduler] = None
 
     # Wire layout of the prefill->decode terminal status message. The legacy
     # layout (mooncake, and ascend which inherits it) is three untagged frames
@@ -1535,8 +492,6 @@ class CommonKVManager(BaseKVManager):
     reports_transfer_latency: bool = False
     # Set by teardown() to stop the worker threads, decode listener included.
     _stopped: bool = False
-    # Prefill side: ABORTs for rooms not known here or already finished.
-    _ignored_abort_notifications: int = 0
     # Bad decode control messages (see handle_decode_message): how many, and
     # when one was last logged, at most once per interval.
     BAD_DECODE_MSG_LOG_INTERVAL_S = 30.0
@@ -1701,11 +656,6 @@ class CommonKVManager(BaseKVManager):
             # fail to receive the KV indices from the decode instance of this request.
             # These timeout requests should be aborted to release the tree cache.
             self.bootstrap_timeout = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
-            self._status_sender = _PushSender(
-                name="pd-prefill-zmq-sender",
-                connect=lambda target: self._connect(*target),
-                send_timeout_s=SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT.get(),
-            )
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             self.enable_staging: bool = False
             self._staging_handler = None
@@ -1748,34 +698,27 @@ class CommonKVManager(BaseKVManager):
             ] = None
             self._prefill_recompute_executor_lock = threading.Lock()
             self._prefill_recompute_sessions = threading.local()
-            # Bootstrap queries (parallel info, dp ranks, routes) run on this
-            # pool, never on the scheduler thread: a bootstrap server that hangs
-            # must not stall decode. The dp-rank queries already ran on the
-            # rebootstrap executor, so the pool serves as that executor too.
-            # Each prefill has lanes of its own in it (see _BootstrapFetchPool).
-            self._parallel_info_executor = _BootstrapFetchPool(
-                thread_name_prefix="pd-bootstrap-fetch"
+            # The decode's calls to prefill servers (parallel info, dp ranks,
+            # routes, heartbeat probes) run here, never on the scheduler
+            # thread, each on its prefill's own threads: a prefill that hangs
+            # holds only those. The dp-rank queries already ran on the
+            # rebootstrap executor, so this is that executor too.
+            workers = envs.SGLANG_DISAGGREGATION_THREAD_POOL_SIZE.get()
+            self._parallel_info_executor = _PrefillThreads(
+                shared=concurrent.futures.ThreadPoolExecutor(
+                    max_workers=max(1, workers if workers is not None else 16),
+                    thread_name_prefix="pd-rebootstrap-prefill",
+                )
             )
             self._prefill_recompute_executor = self._parallel_info_executor
-            if envs.SGLANG_DISAGGREGATION_THREAD_POOL_SIZE.is_set():
-                logger.info(
-                    "SGLANG_DISAGGREGATION_THREAD_POOL_SIZE does not size the "
-                    "decode's HTTP calls to prefills: each prefill has threads of "
-                    "its own, at most %s by kind of call.",
-                    BOOTSTRAP_FETCH_LANE_WORKERS,
-                )
-            CommonKVReceiver.start_push_sender()
             # Addrs with a parallel-info fetch outstanding, under connection_lock.
             self._parallel_info_inflight: Set[str] = set()
             # A config mismatch found on the fetch thread, re-raised on the
             # scheduler thread by raise_parallel_info_error().
             self._parallel_info_fatal: Optional[BaseException] = None
-            self._orphaned_rooms = _OrphanedRooms(
-                max_age_s=envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
-            )
-            # Background setup of the routes of each (bootstrap_addr,
-            # prefill_dp_rank) on a connection_pool miss, under connection_lock.
-            self._bootstrap_setups: Dict[Tuple[str, int], _BootstrapFetch] = {}
+            # Background route setups (see setup_bootstrap_routes), by
+            # (bootstrap_addr, prefill_dp_rank), under connection_lock.
+            self._route_setups: Dict[Tuple[str, int], concurrent.futures.Future] = {}
         else:
             raise ValueError(
                 f"Unsupported DisaggregationMode: {self.disaggregation_mode}"
@@ -2390,17 +1333,13 @@ class CommonKVManager(BaseKVManager):
         )
 
     def _send_abort_ack(self, room: int, target: AckTarget) -> None:
-        """Best-effort ack that this rank's transfer for an aborted room drained.
-        Sent without waiting: CommonKVSender.clear() sends it on the prefill
-        scheduler thread, which must not wait on a decode that stopped reading
-        (that decode then keeps the room's KV until its own timeout)."""
+        """Best-effort ack that this rank's transfer for an aborted room drained."""
         try:
             na = NetworkAddress(target.ip, target.port)
             self._send_multipart_locked(
                 na.to_tcp(),
                 AbortAck(room, self._prefill_unique_rank(), target.generation).to_zmq(),
                 is_ipv6=na.is_ipv6,
-                block=False,
             )
         except Exception as e:
             logger.debug(f"Failed to send drained ABORT_ACK for room {room}: {e}")
@@ -2423,26 +1362,6 @@ class CommonKVManager(BaseKVManager):
         # each sends its own ABORT; fan the ACK out to every one of them.
         for target in (targets or {}).values():
             self._send_abort_ack(room, target)
-
-    def note_abort_notification(
-        self, notification: AbortNotification, room_active: bool
-    ) -> None:
-        """Prefill side: a decode aborted ``notification.room``. The reason it
-        sent, if any, becomes the request's failure; an abort for a room this
-        prefill never saw or already finished is counted and ignored."""
-        if room_active:
-            if notification.reason:
-                self.record_failure(
-                    notification.room, f"Aborted by the decode: {notification.reason}"
-                )
-            return
-        self._ignored_abort_notifications += 1
-        logger.debug(
-            "Ignored the ABORT of room %s: not known here or already finished "
-            "(%d so far)",
-            notification.room,
-            self._ignored_abort_notifications,
-        )
 
     def register_deferred_ack_target(self, room: int, target: AckTarget) -> None:
         """Hold this generation's ACK until the room's transfer drains.
@@ -2524,8 +1443,7 @@ class CommonKVManager(BaseKVManager):
     ) -> concurrent.futures.ThreadPoolExecutor:
         """Lazily create the shared executor that drives PD-retract rebootstrap
         ``/generate`` calls. One executor per (decode) kv manager, shared across
-        all receivers. On a decode kv manager it is the bootstrap fetch pool
-        (a _BootstrapFetchPool, which is not a ThreadPoolExecutor)."""
+        all receivers."""
         executor = self._prefill_recompute_executor
         if executor is not None:
             return executor
@@ -2678,59 +1596,17 @@ class CommonKVManager(BaseKVManager):
     def has_parallel_info(self, bootstrap_addr: str) -> bool:
         return bootstrap_addr in self.prefill_info_table
 
-    def disaggregation_state(self) -> Dict[str, int]:
-        """Sizes of the decode's per-prefill tables, for the decode's state log:
-        one that stays above 0 while the server is idle is a leak. Sizes only,
-        read without locks; a table this manager lacks counts 0."""
-
-        def size(name: str) -> int:
-            return len(getattr(self, name, ()))
-
-        sender = CommonKVReceiver._push_sender
-        pool = getattr(self, "_parallel_info_executor", None)
-        orphaned = getattr(self, "_orphaned_rooms", None)
-        tracker = getattr(self, "addr_to_rooms_tracker", {})
-        return {
-            "prefills": size("prefill_info_table"),
-            "route_cache": size("connection_pool"),
-            "route_setups": size("_bootstrap_setups"),
-            "rooms_tracked": sum(map(len, list(tracker.values()))),
-            "orphaned_rooms": orphaned.count() if orphaned is not None else 0,
-            "orphan_prefills": (
-                orphaned.endpoint_count() if orphaned is not None else 0
-            ),
-            "heartbeat_failures": size("heartbeat_failures"),
-            "failure_records": size("failure_records"),
-            "request_status": size("request_status"),
-            "fetches_in_flight": pool.in_flight() if pool is not None else 0,
-            "fetch_threads": pool.thread_count() if pool is not None else 0,
-            "idle_connections": _bootstrap_http.idle_count(),
-            "control_msgs_queued": sender.queued() if sender is not None else 0,
-        }
+    def abandon_parallel_info_fetch(self, bootstrap_addr: str) -> None:
+        """Stop waiting for a fetch that outlived BOOTSTRAP_QUERY_TIMEOUT_S, so
+        that the next attempt can start; it publishes nothing if it ends."""
+        with self.connection_lock:
+            self._parallel_info_inflight.discard(bootstrap_addr)
 
     def parallel_info_fetch_in_flight(self, bootstrap_addr: str) -> bool:
-        """A fetch for ``bootstrap_addr`` is outstanding and within its time
-        bound. Reads the in-flight set without the lock: a stale answer only
-        costs a skipped cycle or one extra call that the locked re-check in
-        try_ensure_parallel_info rejects. An overdue fetch is retired here, so
-        that the next attempt starts a new one and its late answer is dropped.
-        """
-        if bootstrap_addr not in self._parallel_info_inflight:
-            return False
-        fetch = self._parallel_info_executor.find(
-            self._publish_parallel_info, bootstrap_addr
-        )
-        if fetch is None or not fetch.overdue():
-            return True
-        with self.connection_lock:
-            fetch.retire()
-            self._parallel_info_inflight.discard(bootstrap_addr)
-        logger.warning(
-            f"Prefill parallel info fetch from {bootstrap_addr} has not ended "
-            f"{fetch.timeout_s} s after it was submitted; counting it as a failed "
-            f"attempt. Check the prefill's bootstrap server and the network."
-        )
-        return False
+        # Read without the lock: a stale answer only costs a skipped cycle or
+        # one extra call that the locked re-check in try_ensure_parallel_info
+        # rejects.
+        return bootstrap_addr in self._parallel_info_inflight
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Non-blocking: True if the prefill parallel info is cached. Otherwise
@@ -2886,9 +1762,7 @@ class CommonKVManager(BaseKVManager):
 
     def _publish_parallel_info(self, bootstrap_addr: str) -> None:
         """Fetch-executor body: fetch, check and cache the parallel info of
-        ``bootstrap_addr``, and clear its in-flight marker. A retired fetch
-        (overdue, or its prefill was marked failed since) does neither: a newer
-        fetch owns the marker, and what it got may be stale."""
+        ``bootstrap_addr``, and clear its in-flight marker in every outcome."""
         info = None
         try:
             info = self._fetch_parallel_info(bootstrap_addr)
@@ -2906,88 +1780,64 @@ class CommonKVManager(BaseKVManager):
             info = None
         finally:
             with self.connection_lock:
-                if not _fetch_retired():
-                    if info is not None:
-                        self.prefill_info_table[bootstrap_addr] = info
-                    self._parallel_info_inflight.discard(bootstrap_addr)
+                # Not if given up (abandon_parallel_info_fetch), or if the
+                # heartbeat failed this prefill meanwhile: it may be stale.
+                if info is not None and bootstrap_addr in self._parallel_info_inflight:
+                    self.prefill_info_table[bootstrap_addr] = info
+                self._parallel_info_inflight.discard(bootstrap_addr)
         if info is not None:
             logger.debug(f"Prefill parallel info for [{bootstrap_addr}]: {info}")
 
-    def bootstrap_setup(self, receiver: CommonKVReceiver) -> concurrent.futures.Future:
-        """Run ``receiver._setup_bootstrap_infos()`` on the fetch pool: on a
-        connection_pool miss it queries the prefill's bootstrap server for every
-        target rank. At most one runs per (bootstrap_addr, prefill_dp_rank); a
-        receiver that needs the same routes meanwhile shares its outcome. The
-        future's result is None once the routes are cached, else the reason."""
+    def setup_bootstrap_routes(
+        self, receiver: CommonKVReceiver
+    ) -> concurrent.futures.Future:
+        """Run ``receiver._setup_bootstrap_infos()``, which asks the prefill's
+        bootstrap server for each target rank on a connection_pool miss, off
+        the scheduler thread. One setup per (prefill, dp rank) at a time: the
+        receivers that need the same routes meanwhile wait for it. The future
+        gives whether they are cached now."""
         key = (receiver.bootstrap_addr, receiver.prefill_dp_rank)
         with self.connection_lock:
-            setup = self._bootstrap_setups.get(key)
-            if setup is None or setup.done() or setup.retired:
-                # A copy, so that only the scheduler thread touches the
-                # receiver itself. Its failures are its own: each receiver
-                # that waited for it fails its own room (_resume_init).
-                probe = copy.copy(receiver)
-                probe._connection_pool_entries = {}
-                probe._setup_failures = []
-                lookups = (
-                    len(receiver.target_cp_ranks)
-                    * len(receiver.target_tp_ranks)
-                    * len(receiver.target_pp_ranks)
+            setup = self._route_setups.get(key)
+            if setup is None:
+                setup = self._parallel_info_executor.submit(
+                    self._setup_bootstrap_routes, receiver.bootstrap_addr, receiver
                 )
-                # Bounded per lookup, not in total: slow answers still end.
-                setup = self._parallel_info_executor.submit_with_timeout(
-                    BOOTSTRAP_FETCH_TIMEOUT_S * max(1, lookups),
-                    self._run_bootstrap_setup,
-                    receiver.bootstrap_addr,
-                    probe,
-                )
-                self._bootstrap_setups[key] = setup
+                self._route_setups[key] = setup
         return setup
 
-    def _run_bootstrap_setup(
-        self, bootstrap_addr: str, probe: CommonKVReceiver
-    ) -> Optional[str]:
+    def _setup_bootstrap_routes(
+        self, bootstrap_addr: str, receiver: CommonKVReceiver
+    ) -> bool:
+        info = self.prefill_info_table.get(bootstrap_addr)
         try:
-            probe._setup_bootstrap_infos()
-            failed = probe.conclude_state == KVPoll.Failed
-        except Exception as e:
-            failed = True
-            if not _fetch_retired():
-                # Not a configuration mismatch: fail these requests, not decode.
-                logger.exception(f"Bootstrap info setup for [{bootstrap_addr}] failed")
-                probe._setup_failures.insert(
-                    0, f"Bootstrap info setup for {bootstrap_addr} failed: {e!r}"
-                )
+            receiver._setup_bootstrap_infos()
+        except Exception:
+            logger.exception(f"Bootstrap route setup for [{bootstrap_addr}] failed")
         finally:
-            key = (bootstrap_addr, probe.prefill_dp_rank)
             with self.connection_lock:
-                if self._bootstrap_setups.get(key) is _current_fetch.fetch:
-                    del self._bootstrap_setups[key]
-        if _fetch_retired():
-            # Overdue, or its prefill was marked failed: the receivers that
-            # waited for it say so themselves (_resume_init).
-            return f"Bootstrap info setup for {bootstrap_addr} was cut off"
-        if failed:
-            return (
-                probe._setup_failures[0]
-                if probe._setup_failures
-                else f"Could not fetch bootstrap info from {bootstrap_addr}"
-            )
-        return None
+                self._route_setups.pop((bootstrap_addr, receiver.prefill_dp_rank), None)
+                # The heartbeat may have failed this prefill meanwhile.
+                stale = self.prefill_info_table.get(bootstrap_addr) is not info
+        if stale:
+            receiver.invalidate_cached_bootstrap_infos()
+        if receiver.bootstrap_room not in self.request_status:
+            # Its request ended meanwhile: nobody reads a failure recorded here.
+            with self.failure_lock:
+                self.failure_records.pop(receiver.bootstrap_room, None)
+        return not stale and receiver._bootstrap_infos_cached()
 
     def _stop_bootstrap_fetches(self) -> None:
-        """Teardown never waits on a prefill: queued bootstrap queries and
-        probes are cancelled, running ones cut off, and the heartbeat thread
-        is woken to stop."""
+        """Teardown never waits on a prefill: queued bootstrap queries are
+        cancelled, running ones end by their own timeout, and the heartbeat
+        thread is woken to stop. Reads with getattr, as 0.5.23's teardown()
+        does: a manager may have been built without __init__."""
         executor = getattr(self, "_parallel_info_executor", None)
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
         heartbeat_shutdown = getattr(self, "_heartbeat_shutdown", None)
         if heartbeat_shutdown is not None:
             heartbeat_shutdown.set()
-        results = getattr(self, "_heartbeat_results", None)
-        if results is not None:
-            results.put(None)
 
     def _resolve_rank_mapping(self, info: PrefillServerInfo) -> None:
         """Compute TP/CP/PP rank mapping and store on the PrefillServerInfo object.
@@ -3267,106 +2117,24 @@ class CommonKVManager(BaseKVManager):
             return sock
 
     def _send_multipart_locked(
-        self,
-        endpoint: str,
-        parts: List[bytes],
-        is_ipv6: bool = False,
-        block: bool = True,
+        self, endpoint: str, parts: List[bytes], is_ipv6: bool = False
     ):
-        if self._status_sender is not None:
-            # The sender thread is the only user of these sockets, and it
-            # never waits on a decode: neither does the caller.
-            self._status_sender.post_to(
-                endpoint,
-                (endpoint, is_ipv6),
-                parts,
-                lambda exc: self._status_send_failed(endpoint, exc),
-            )
-            return
         # Cached sockets are shared across sender threads and zmq sockets are
         # not thread-safe; serialize sends per endpoint.
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
-        if block:
-            with self._socket_send_locks[endpoint]:
-                sock.send_multipart(parts)
-            return
-        # A decode that stopped reading fills the socket's queue (SNDHWM), and
-        # a send then blocks up to SNDTIMEO, holding this lock; never wait.
-        lock = self._socket_send_locks[endpoint]
-        if not lock.acquire(blocking=False):
-            raise zmq.Again(f"a send to {endpoint} is already waiting")
-        try:
-            sock.send_multipart(parts, flags=zmq.DONTWAIT)
-        finally:
-            lock.release()
+        with self._socket_send_locks[endpoint]:
+            # Never waits: a send blocks only once the decode left SNDHWM
+            # messages unread (it is stuck), and then up to SNDTIMEO, 30 s,
+            # on a transfer worker. It raises zmq.Again to the caller instead.
+            sock.send_multipart(parts, flags=zmq.NOBLOCK)
 
-    def _status_send_failed(self, endpoint: str, exc: BaseException) -> None:
-        """A message to a decode was dropped (on the sender thread). The
-        decode ends the rooms it was for by its own timeout. Logged at most
-        once per BAD_DECODE_MSG_LOG_INTERVAL_S, with a count."""
-        self._status_drops += 1
-        now = time.monotonic()
-        if now - self._status_drop_logged_at < self.BAD_DECODE_MSG_LOG_INTERVAL_S:
-            return
-        self._status_drop_logged_at = now
-        stuck = isinstance(exc, zmq.Again)
-        logger.warning(
-            f"Dropped {self._status_drops} message(s) to decodes since the last "
-            f"such line, the last to {endpoint}: "
-            + (
-                f"its socket took none for "
-                f"{SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT.get():.0f}s "
-                f"(SGLANG_DISAGGREGATION_STATUS_SEND_TIMEOUT), so that decode "
-                f"does not read; it ends those requests by its own timeout."
-                if stuck
-                else repr(exc)
-            )
-        )
-        self._status_drops = 0
-
-    def _transfer_queue(self, queues: list, shard_idx: int, destinations):
-        """Where a room's chunk goes: the transfer lane of its decode
-        destinations, or 0.5.23's ``queues[shard_idx]`` when there are no
-        lanes (staging) or the room needs a DCP relayout, whose pack buffers
-        are per queue worker."""
-        if self._transfer_lanes is None or any(
-            getattr(self.decode_kv_args_table.get(d), "requires_dcp_relayout", False)
-            for d in destinations
-        ):
+    def _transfer_queue(self, queues: list, shard_idx: int, room: int):
+        """Where ``room``'s chunk goes: its destination's FIFO on the
+        _TransferScheduler, or 0.5.23's ``queues[shard_idx]`` without one."""
+        if self._transfer_scheduler is None:
             return queues[shard_idx]
-        return self._transfer_lanes.inbox(tuple(sorted(destinations)))
-
-    def fail_active_rooms(self, rooms: List[int], reason: str) -> List[int]:
-        """Fail those of ``rooms`` that have not ended, with ``reason``."""
-        failed = [
-            room
-            for room in rooms
-            if self.request_status.get(room, KVPoll.Failed)
-            not in (KVPoll.Failed, KVPoll.Success)
-        ]
-        for room in failed:
-            self.conclude_failure(bootstrap_room=room, failure_reason=reason)
-        return failed
-
-    def _fail_stuck_transfers(
-        self, destination: tuple, rooms: List[int], reason: str, first: bool
-    ) -> None:
-        """A decode's transfer lane is stuck (_TransferLanes): fail its rooms.
-        Logged as an error when it has just become stuck."""
-        failed = self.fail_active_rooms(rooms, reason)
-        if failed:
-            (logger.error if first else logger.debug)(
-                f"{reason}: failed {len(failed)} request(s) to it (rooms "
-                f"{failed[:8]}{' ...' if len(failed) > 8 else ''})."
-            )
-
-    def _stop_prefill_threads(self) -> None:
-        """Teardown: the transfer lanes first (they post status), then the
-        sender, so that no thread uses a socket the caller then closes."""
-        if self._transfer_lanes is not None:
-            self._transfer_lanes.shutdown()
-        if self._status_sender is not None:
-            self._status_sender.stop()
+        destination = tuple(sorted(map(str, self.transfer_infos[room])))
+        return _Inbox(self._transfer_scheduler, destination)
 
     def get_mha_kv_ptrs_with_pp(
         self, src_kv_ptrs: List[int], dst_kv_ptrs: List[int]
@@ -3654,47 +2422,46 @@ class CommonKVManager(BaseKVManager):
         Returns the thread object so callers can track/join it during teardown.
         """
 
-        # Probes that landed, (addr, probe); None wakes the thread (teardown).
-        self._heartbeat_results = queue.SimpleQueue()
-
         def heartbeat_checker():
-            # Each prefill's probe runs in its own lane and is handled when it
-            # lands, or as a miss at its deadline: a prefill that hangs delays
-            # no other's verdict, however many hang.
-            probes: Dict[str, _BootstrapFetch] = {}
-            next_round = time.monotonic() + self.heartbeat_interval
-            while not self._heartbeat_shutdown.is_set():
-                if time.monotonic() >= next_round:
-                    next_round = time.monotonic() + self.heartbeat_interval
-                    if not self._start_heartbeat_probes(probes):
-                        break  # the fetch pool was shut down: teardown
-                    _bootstrap_http.sweep()
-                wake_at = min(
-                    [next_round]
-                    + [p.submitted_at + p.timeout_s for p in probes.values()]
+            # Each prefill is probed on its own threads, all at once, and one
+            # not answered by HEARTBEAT_PROBE_TIMEOUT_S misses: a prefill that
+            # hangs delays no other's verdict, however many hang.
+            probes: Dict[str, concurrent.futures.Future] = {}
+            while not self._heartbeat_shutdown.wait(self.heartbeat_interval):
+                with self.connection_lock:
+                    addresses = list(self.prefill_info_table.keys())
+                for bootstrap_addr in addresses:
+                    if bootstrap_addr not in probes:
+                        probes[bootstrap_addr] = self._parallel_info_executor.submit(
+                            self._probe_prefill_health, bootstrap_addr
+                        )
+                concurrent.futures.wait(
+                    list(probes.values()), timeout=HEARTBEAT_PROBE_TIMEOUT_S
                 )
-                try:
-                    landed = self._heartbeat_results.get(
-                        timeout=max(0.0, wake_at - time.monotonic())
-                    )
-                except queue.Empty:
-                    landed = None
                 if self._heartbeat_shutdown.is_set():
                     break
-                if landed is not None and probes.get(landed[0]) is landed[1]:
-                    bootstrap_addr, probe = landed
-                    del probes[bootstrap_addr]
-                    if not probe.cancelled():
-                        self._on_heartbeat_probe(
-                            bootstrap_addr,
-                            probe.exception() is None and probe.result(),
-                        )
                 for bootstrap_addr, probe in list(probes.items()):
-                    if probe.overdue():
-                        # A slow answer is no answer; its socket is shut down.
+                    if probe.done():
                         del probes[bootstrap_addr]
-                        probe.retire()
-                        self._on_heartbeat_probe(bootstrap_addr, False)
+                    if probe.done() and not probe.cancelled() and probe.result():
+                        self.heartbeat_failures[bootstrap_addr] = 0
+                        self._on_heartbeat_success(bootstrap_addr)
+                        continue
+                    # A probe still running is a miss; it stays, so that no
+                    # second one queues behind it.
+                    logger.info(f"Attempting to reconnect to {bootstrap_addr}...")
+                    self.heartbeat_failures[bootstrap_addr] = (
+                        self.heartbeat_failures.get(bootstrap_addr, 0) + 1
+                    )
+                    if (
+                        self.heartbeat_failures.get(bootstrap_addr, 0)
+                        >= self.max_failures
+                    ):
+                        probes.pop(bootstrap_addr, None)
+                        self._handle_node_failure(bootstrap_addr)
+                        with self.session_pool_lock:
+                            if bootstrap_addr in self.session_pool:
+                                del self.session_pool[bootstrap_addr]
 
         t = threading.Thread(
             target=heartbeat_checker,
@@ -3704,62 +2471,21 @@ class CommonKVManager(BaseKVManager):
         t.start()
         return t
 
-    def _start_heartbeat_probes(self, probes: Dict[str, _BootstrapFetch]) -> bool:
-        """Probe every known prefill, and every prefill this decode failed
-        rooms of (is it back?), that has no probe in flight. False once the
-        fetch pool is shut down."""
-        with self.connection_lock:
-            addresses = list(self.prefill_info_table.keys())
-        known = set(addresses)
-        addresses += [a for a in self._orphaned_rooms.addrs() if a not in known]
-        for bootstrap_addr in addresses:
-            if bootstrap_addr in probes:
-                continue
-            try:
-                probe = self._parallel_info_executor.submit_to(
-                    "health",
-                    HEARTBEAT_PROBE_TIMEOUT_S,
-                    self._probe_prefill_health,
-                    bootstrap_addr,
-                )
-            except RuntimeError:
-                return False
-            probes[bootstrap_addr] = probe
-            probe.add_done_callback(
-                lambda f, addr=bootstrap_addr: self._heartbeat_results.put((addr, f))
-            )
-        return True
-
     def _probe_prefill_health(self, bootstrap_addr: str) -> bool:
-        """One heartbeat probe (a fetch pool task): True if /health said 200."""
+        """One heartbeat probe: whether GET /health answered 200. Probes of one
+        prefill never overlap (heartbeat_checker), so its session is used by
+        one thread at a time."""
         try:
-            response = _bootstrap_http.get(
-                f"http://{bootstrap_addr}/health", timeout=(2, 3)
-            )
-        except _BOOTSTRAP_HTTP_ERRORS:
-            return False
-        return response.status_code == 200
-
-    def _on_heartbeat_probe(self, bootstrap_addr: str, answered: bool) -> None:
-        """Heartbeat thread: a probe of ``bootstrap_addr`` landed or missed."""
-        known = bootstrap_addr in self.prefill_info_table
-        if answered:
-            if known:
-                self.heartbeat_failures[bootstrap_addr] = 0
-                self._on_heartbeat_success(bootstrap_addr)
-            self._abort_orphaned_rooms(bootstrap_addr)
-            return
-        if not known:
-            return
-        logger.info(f"Attempting to reconnect to {bootstrap_addr}...")
-        self.heartbeat_failures[bootstrap_addr] = (
-            self.heartbeat_failures.get(bootstrap_addr, 0) + 1
-        )
-        if self.heartbeat_failures[bootstrap_addr] >= self.max_failures:
-            self._handle_node_failure(bootstrap_addr)
             with self.session_pool_lock:
-                if bootstrap_addr in self.session_pool:
-                    del self.session_pool[bootstrap_addr]
+                session = self.session_pool[bootstrap_addr]
+            response = session.get(
+                f"http://{bootstrap_addr}/health",
+                timeout=(2, 3),
+                headers={"Connection": "keep-alive"},
+            )
+            return response.status_code == 200
+        except Exception:
+            return False
 
     def _on_heartbeat_success(self, bootstrap_addr: str):
         """Hook called on successful heartbeat. Override for backend-specific cleanup."""
@@ -3776,7 +2502,6 @@ class CommonKVManager(BaseKVManager):
             ]
             # Collect TCP endpoints from cached bootstrap_infos before deletion
             stale_endpoints = set()
-            rank_endpoints = set()
             for k in keys_to_remove:
                 for info in self.connection_pool[k]:
                     ip = info.get("rank_ip")
@@ -3784,17 +2509,12 @@ class CommonKVManager(BaseKVManager):
                     if ip and port:
                         na = NetworkAddress(ip, int(port))
                         stale_endpoints.add(na.to_tcp())
-                        rank_endpoints.add((ip, int(port)))
             for k in keys_to_remove:
                 del self.connection_pool[k]
             self.prefill_info_table.pop(failed_bootstrap_addr, None)
-            # Fetches still running for this prefill must not publish what they
-            # got before it failed; the next request fetches again.
-            self._parallel_info_executor.retire_for(failed_bootstrap_addr)
+            # A fetch still running for it publishes nothing: what it got may
+            # predate the failure. The next request fetches again.
             self._parallel_info_inflight.discard(failed_bootstrap_addr)
-            for key in list(self._bootstrap_setups):
-                if key[0] == failed_bootstrap_addr:
-                    del self._bootstrap_setups[key]
             # A prefill that a later request reaches again starts with no
             # misses; a kept count would drop it at its first missed heartbeat.
             self.heartbeat_failures.pop(failed_bootstrap_addr, None)
@@ -3806,7 +2526,6 @@ class CommonKVManager(BaseKVManager):
 
         for endpoint in stale_endpoints:
             CommonKVReceiver.disconnect_endpoint(endpoint)
-        _bootstrap_http.forget(failed_bootstrap_addr)
 
         affected_rooms = []
         for room in possible_affected_rooms:
@@ -3824,58 +2543,6 @@ class CommonKVManager(BaseKVManager):
         logger.error(
             f"Lost connection with prefill instance (bootstrap_addr: {failed_bootstrap_addr}), "
             f"{len(affected_rooms)} requests affected"
-        )
-        self._orphaned_rooms.add_endpoints(failed_bootstrap_addr, rank_endpoints)
-        self.remember_orphaned_rooms(failed_bootstrap_addr, affected_rooms)
-
-    def remember_orphaned_rooms(self, bootstrap_addr: str, rooms: List[int]) -> None:
-        """Decode side: ``rooms`` failed because the prefill at
-        ``bootstrap_addr`` was unreachable. Tell it once it answers again."""
-        if rooms and not self._orphaned_rooms.add(bootstrap_addr, rooms):
-            logger.warning(
-                f"Cannot tell prefill {bootstrap_addr} to drop {len(rooms)} "
-                f"request(s) this decode failed: it never learned that prefill's "
-                f"rank endpoints. If it comes back, it holds them until "
-                f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT."
-            )
-
-    def _abort_orphaned_rooms(self, bootstrap_addr: str) -> None:
-        """Heartbeat thread: ``bootstrap_addr`` answered. Send the ABORT of
-        the rooms this decode failed while it was unreachable (0.5.23's wire
-        format), so that it fails them instead of waiting for this decode."""
-        endpoints, rooms = self._orphaned_rooms.take(bootstrap_addr)
-        if not rooms:
-            return
-        with self.connection_lock:
-            in_use = {
-                (info.get("rank_ip"), str(info.get("rank_port")))
-                for infos in self.connection_pool.values()
-                for info in infos
-            }
-        sender = CommonKVReceiver.start_push_sender()
-        for ip, port in endpoints:
-            for room in rooms:
-                sender.post(
-                    {"rank_ip": ip, "rank_port": port},
-                    AbortNotification(
-                        room=room,
-                        decode_ip=self.local_ip,
-                        decode_port=self.rank_port,
-                        # No decode waits for its ACK: generation 0 matches none.
-                        generation=0,
-                        reason=ORPHANED_ROOM_ABORT_REASON,
-                    ).to_zmq(),
-                )
-            if (ip, str(port)) not in in_use:
-                # A prefill that came back with other rank ports (a restart)
-                # is never reached at these again: a kept socket would retry
-                # them for as long as this decode runs.
-                sender.close_when_sent(
-                    NetworkAddress(ip, port).to_tcp(), ORPHANED_ABORT_LINGER_S
-                )
-        logger.info(
-            f"Prefill {bootstrap_addr} answers again: asked it to drop "
-            f"{len(rooms)} request(s) this decode failed while it was unreachable."
         )
 
 
@@ -4243,20 +2910,18 @@ class CommonKVSender(BaseKVSender):
 
 class CommonKVReceiver(BaseKVReceiver):
     _prefill_wait_start: Optional[float] = None
+    # init() waiting for CommonKVManager.setup_bootstrap_routes(); poll() goes
+    # on with it once it has ended.
+    _route_setup: Optional[concurrent.futures.Future] = None
+    _route_setup_at: float = 0.0
     _owns_bootstrap_room: bool = True
     _lifecycle_lock = nullcontext()
-    # init() waiting for CommonKVManager.bootstrap_setup(); poll() resumes it.
-    _bootstrap_setup: Optional[concurrent.futures.Future] = None
-    # On the copy that such a setup runs on: the reasons it failed.
-    _setup_failures: Optional[List[str]] = None
 
     _ctx = zmq.Context()
     _ctx.set(zmq.MAX_SOCKETS, envs.SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS.get())
     _socket_cache = {}
     _socket_locks = {}
     _global_lock = threading.Lock()
-    # One per process, like the sockets; started by the decode kv manager.
-    _push_sender: Optional[_PushSender] = None
 
     def __init__(
         self,
@@ -4341,9 +3006,10 @@ class CommonKVReceiver(BaseKVReceiver):
 
         self.prefill_dp_rank = prefill_dp_rank
         if not self._bootstrap_infos_cached():
-            # A connection_pool miss queries the prefill's bootstrap server: set
-            # the routes up on the fetch pool, and poll() calls init() again.
-            self._bootstrap_setup = self.kv_mgr.bootstrap_setup(self)
+            # A connection_pool miss asks the prefill's bootstrap server for
+            # each target rank: not on the scheduler thread.
+            self._route_setup = self.kv_mgr.setup_bootstrap_routes(self)
+            self._route_setup_at = time.monotonic()
             return
         self._setup_bootstrap_infos()
         if self.conclude_state == KVPoll.Failed:
@@ -4352,17 +3018,22 @@ class CommonKVReceiver(BaseKVReceiver):
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
             return
         self._prefill_wait_start = time.time()
-        for info in self.bootstrap_infos:
-            self._post_bootstrap_message(
-                bootstrap_info=info,
-                message=[
-                    b"BOOTSTRAP",
-                    str(self.bootstrap_room).encode("ascii"),
-                    self.kv_mgr.local_ip.encode("ascii"),
-                    str(self.kv_mgr.rank_port).encode("ascii"),
-                ],
-                operation="BOOTSTRAP",
-            )
+        try:
+            for info in self.bootstrap_infos:
+                sock, lock = self._connect_to_bootstrap_server(info)
+                with lock:
+                    # Never waits: see _send_bootstrap_message.
+                    sock.send_multipart(
+                        [
+                            b"BOOTSTRAP",
+                            str(self.bootstrap_room).encode("ascii"),
+                            self.kv_mgr.local_ip.encode("ascii"),
+                            str(self.kv_mgr.rank_port).encode("ascii"),
+                        ],
+                        flags=zmq.NOBLOCK,
+                    )
+        except zmq.ZMQError:
+            self.abort()
 
     def poll(self) -> KVPoll:
         with self._lifecycle_lock:
@@ -4371,11 +3042,7 @@ class CommonKVReceiver(BaseKVReceiver):
     def _poll(self) -> KVPoll:
         if self.conclude_state is not None:
             return self.conclude_state
-        if (
-            self._bootstrap_setup is not None
-            and self.kv_mgr.check_status(self.bootstrap_room) == KVPoll.Bootstrapping
-            and not self._resume_init()
-        ):
+        if self._route_setup is not None and not self._resume_init():
             return KVPoll.Bootstrapping
         status = self.kv_mgr.check_status(self.bootstrap_room)
         if status in (KVPoll.Success, KVPoll.Failed):
@@ -4401,56 +3068,53 @@ class CommonKVReceiver(BaseKVReceiver):
     def _bootstrap_infos_cached(self) -> bool:
         with self.kv_mgr.connection_lock:
             return all(
-                get_bootstrap_key(
-                    self.bootstrap_addr,
-                    self.prefill_dp_rank,
-                    target_cp_rank,
-                    self.target_tp_rank,
-                )
+                f"{self.bootstrap_addr}_{self.prefill_dp_rank}_{target_cp_rank}_{self.target_tp_rank}"
                 in self.kv_mgr.connection_pool
                 for target_cp_rank in self.target_cp_ranks
             )
 
     def _resume_init(self) -> bool:
-        """Go on with init() once its background route setup has ended; False
-        while it runs. Never waits."""
-        setup = self._bootstrap_setup
-        if setup.retired or setup.overdue():
-            # Cut off (by this or another receiver that shared it, or by its
-            # prefill's failure), whatever it returned.
-            with self.kv_mgr.connection_lock:
-                setup.retire()
+        """Go on with init() once its route setup has ended; False while it
+        runs. Never waits: a setup that outlives every lookup's bound (a peer
+        that trickles) fails the request."""
+        setup = self._route_setup
+        lookups = (
+            len(self.target_cp_ranks)
+            * len(self.target_tp_ranks)
+            * len(self.target_pp_ranks)
+        )
+        if setup.done():
+            cached = not setup.cancelled() and setup.result()
             reason = (
-                f"Bootstrap info lookups to {self.bootstrap_addr} have not ended "
-                f"{setup.timeout_s} s after they were submitted. Check the prefill's "
-                f"bootstrap server and the network between the two."
+                f"Could not fetch the bootstrap info of prefill {self.bootstrap_addr} "
+                f"(prefill_dp_rank {self.prefill_dp_rank}); the decode log has the "
+                f"error of each lookup."
             )
-        elif setup.done():
-            try:
-                reason = setup.result()
-            except BaseException as e:
-                reason = f"Bootstrap info setup for {self.bootstrap_addr} failed: {e!r}"
-        else:
+        elif time.monotonic() - self._route_setup_at < BOOTSTRAP_QUERY_TIMEOUT_S * max(
+            1, lookups
+        ):
             return False
-        self._bootstrap_setup = None
-        if reason is None:
-            self.init(self.prefill_dp_rank)
         else:
+            cached = False
+            reason = (
+                f"The bootstrap info lookups to prefill {self.bootstrap_addr} have "
+                f"not ended {BOOTSTRAP_QUERY_TIMEOUT_S * max(1, lookups)} s after they "
+                f"started: check its bootstrap server and the network to it."
+            )
+        self._route_setup = None
+        if cached:
+            self.init(self.prefill_dp_rank)
+        elif self.kv_mgr.request_status.get(self.bootstrap_room) != KVPoll.Failed:
+            # Not if it failed meanwhile: that cause is the one to keep.
             self.kv_mgr.record_failure(self.bootstrap_room, reason)
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
         return True
 
     def _setup_bootstrap_infos(self):
         all_bootstrap_infos = []
         # NOTE: key distinguished by bootstrap_addr, prefill_dp_rank, prefill_cp_rank, and target_tp_rank
         for target_cp_rank in self.target_cp_ranks:
-            bootstrap_key = get_bootstrap_key(
-                self.bootstrap_addr,
-                self.prefill_dp_rank,
-                target_cp_rank,
-                self.target_tp_rank,
-            )
+            bootstrap_key = f"{self.bootstrap_addr}_{self.prefill_dp_rank}_{target_cp_rank}_{self.target_tp_rank}"
 
             with self.kv_mgr.connection_lock:
                 cached_bootstrap_infos = self.kv_mgr.connection_pool.get(bootstrap_key)
@@ -4481,9 +3145,16 @@ class CommonKVReceiver(BaseKVReceiver):
                             )
                             bootstrap_infos.append(bootstrap_info)
                         else:
-                            self._fail_bootstrap_setup(
-                                f"Could not fetch bootstrap info from {self.bootstrap_addr} for: prefill_dp_rank: {self.prefill_dp_rank} prefill_cp_rank: {target_cp_rank} target_tp_rank: {target_tp_rank} and target_pp_rank {target_pp_rank}",
+                            self.kv_mgr.record_failure(
+                                self.bootstrap_room,
+                                f"Could not fetch bootstrap info for: prefill_dp_rank: {self.prefill_dp_rank} prefill_cp_rank: {target_cp_rank} target_tp_rank: {target_tp_rank} and target_pp_rank {target_pp_rank}",
                             )
+                            self.conclude_state = KVPoll.Failed
+                            self.kv_mgr.update_status(
+                                self.bootstrap_room, KVPoll.Failed
+                            )
+                            self.bootstrap_infos = None
+                            self.invalidate_cached_bootstrap_infos()
                             return
 
                 self.bootstrap_infos = bootstrap_infos
@@ -4492,21 +3163,14 @@ class CommonKVReceiver(BaseKVReceiver):
                 # Register kv_args only once to prefill KVManager according to the info fetched
                 # from the bootstrap server. Do this before caching in connection_pool so a failed
                 # registration does not leave a stale entry that later requests would reuse.
-                if _fetch_retired() or not self._register_kv_args():
+                if not self._register_kv_args():
                     self.invalidate_cached_bootstrap_infos()
                     return
 
                 with self.kv_mgr.connection_lock:
-                    # A background setup retired meanwhile (its prefill was
-                    # marked failed) must not cache what it fetched before.
-                    retired = _fetch_retired()
-                    if not retired:
-                        cached_bootstrap_infos = self.kv_mgr.connection_pool.setdefault(
-                            bootstrap_key, self.bootstrap_infos
-                        )
-                if retired:
-                    self.invalidate_cached_bootstrap_infos()
-                    return
+                    cached_bootstrap_infos = self.kv_mgr.connection_pool.setdefault(
+                        bootstrap_key, self.bootstrap_infos
+                    )
 
                 if cached_bootstrap_infos is not self.bootstrap_infos:
                     self.bootstrap_infos = cached_bootstrap_infos
@@ -4519,18 +3183,6 @@ class CommonKVReceiver(BaseKVReceiver):
             all_bootstrap_infos.extend(self.bootstrap_infos)
 
         self.bootstrap_infos = all_bootstrap_infos
-
-    def _fail_bootstrap_setup(self, reason: str) -> None:
-        self.conclude_state = KVPoll.Failed
-        self.bootstrap_infos = None
-        self.invalidate_cached_bootstrap_infos()
-        if self._setup_failures is not None:
-            # A background setup (CommonKVManager.bootstrap_setup): each
-            # receiver that waited for it fails its own room.
-            self._setup_failures.append(reason)
-            return
-        self.kv_mgr.record_failure(self.bootstrap_room, reason)
-        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
 
     def invalidate_cached_bootstrap_infos(self) -> None:
         with self.kv_mgr.connection_lock:
@@ -4545,7 +3197,7 @@ class CommonKVReceiver(BaseKVReceiver):
         """Fetch the bootstrap info from the bootstrap server."""
         try:
             url = f"http://{self.bootstrap_addr}/route?prefill_dp_rank={prefill_dp_rank}&prefill_cp_rank={prefill_cp_rank}&target_tp_rank={target_tp_rank}&target_pp_rank={target_pp_rank}"
-            response = _bootstrap_http.get(url, timeout=5)
+            response = _get_bootstrap_session(self.bootstrap_addr).get(url, timeout=5)
             if response.status_code == 200:
                 bootstrap_info = response.json()
                 # Checked here: init() would raise on the scheduler thread.
@@ -4562,13 +3214,8 @@ class CommonKVReceiver(BaseKVReceiver):
                     f"Failed to get prefill server info: {response.status_code}, {response.text}"
                 )
                 return None
-        except _BOOTSTRAP_HTTP_ERRORS as e:
-            _log_bootstrap_error(f"Error fetching prefill info from bootstrap: {e}")
-            return None
-        except Exception:
-            logger.exception(
-                f"Unexpected error fetching prefill info from {self.bootstrap_addr}"
-            )
+        except Exception as e:
+            logger.error(f"Error fetching prefill info from bootstrap: {e}")
             return None
 
     @staticmethod
@@ -4578,7 +3225,7 @@ class CommonKVReceiver(BaseKVReceiver):
         """Batch query prefill dp_ranks for given bootstrap_rooms."""
         try:
             url = f"http://{bootstrap_addr}/query_dp_ranks"
-            response = _bootstrap_http.post(
+            response = _get_bootstrap_session(bootstrap_addr).post(
                 url,
                 json={"bootstrap_rooms": bootstrap_rooms},
                 timeout=5,
@@ -4600,13 +3247,8 @@ class CommonKVReceiver(BaseKVReceiver):
                     f"Failed to query dp_ranks: {response.status_code}, {response.text}"
                 )
                 return {}
-        except _BOOTSTRAP_HTTP_ERRORS as e:
-            _log_bootstrap_error(f"Error querying dp_ranks from bootstrap: {e}")
-            return {}
-        except Exception:
-            logger.exception(
-                f"Unexpected error querying dp_ranks from {bootstrap_addr}"
-            )
+        except Exception as e:
+            logger.error(f"Error querying dp_ranks from bootstrap: {e}")
             return {}
 
     @classmethod
@@ -4629,38 +3271,20 @@ class CommonKVReceiver(BaseKVReceiver):
 
     @classmethod
     def disconnect_endpoint(cls, endpoint: str):
-        if cls._push_sender is not None:
-            # The push sender thread is the only user of these sockets.
-            cls._push_sender.forget(endpoint)
-            return
-        cls._close_endpoint(endpoint)
-
-    @classmethod
-    def _close_endpoint(cls, endpoint: str, linger_s: float = 0):
         with cls._global_lock:
             sock = cls._socket_cache.pop(endpoint, None)
             lock = cls._socket_locks.pop(endpoint, None)
         if sock:
-            # close() does not wait for the linger: ZMQ's I/O thread does.
-            linger = int(linger_s * 1000) if linger_s else None
             if lock:
                 with lock:
-                    sock.close(linger=linger)
+                    sock.close()
             else:
-                sock.close(linger=linger)
+                sock.close()
             logger.debug(f"Disconnected stale ZMQ PUSH socket (receiver): {endpoint}")
 
     @classmethod
     def close_all_sockets(cls):
         """Close all cached PUSH sockets on role switch, keeping ``_ctx`` reusable."""
-        if cls._push_sender is not None:
-            # The push sender thread is the only user of these sockets.
-            cls._push_sender.close_all()
-            return
-        cls._close_all_endpoints()
-
-    @classmethod
-    def _close_all_endpoints(cls):
         with cls._global_lock:
             entries = list(cls._socket_cache.items())
             locks = cls._socket_locks.copy()
@@ -4699,13 +3323,12 @@ class CommonKVReceiver(BaseKVReceiver):
 
         message = self.kv_mgr.build_receiver_registration_message()
         for bootstrap_info in self.bootstrap_infos:
-            # Posted, not sent inline: this runs on a fetch thread, and the
-            # push sender is the only thread that touches a prefill's socket.
-            self._post_bootstrap_message(
+            if not self._send_bootstrap_message(
                 bootstrap_info=bootstrap_info,
                 message=message,
                 operation="_register_kv_args",
-            )
+            ):
+                return False
         return True
 
     def _send_bootstrap_message(
@@ -4718,51 +3341,24 @@ class CommonKVReceiver(BaseKVReceiver):
         try:
             sock, lock = self._connect_to_bootstrap_server(bootstrap_info)
             with lock:
-                sock.send_multipart(message)
-        except zmq.ZMQError:
+                # Never waits: a send blocks only once the socket holds
+                # SNDHWM messages the prefill has not read, i.e. it is stuck,
+                # and then up to SNDTIMEO on the scheduler thread.
+                sock.send_multipart(message, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
             self.kv_mgr.record_failure(
                 self.bootstrap_room,
-                f"{operation} to prefill {bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')} failed",
+                f"{operation} to prefill {bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')} failed"
+                + (
+                    ": it does not read what this decode sends (its queue is full)"
+                    if isinstance(e, zmq.Again)
+                    else f": {e}"
+                ),
             )
             self.conclude_state = KVPoll.Failed
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return False
         return True
-
-    @classmethod
-    def start_push_sender(cls) -> _PushSender:
-        """The process's push sender; the decode kv manager starts it, so that
-        no scheduling cycle starts a thread."""
-        if cls._push_sender is None:
-            with cls._global_lock:
-                if cls._push_sender is None:
-                    cls._push_sender = _PushSender()
-        return cls._push_sender
-
-    def _post_bootstrap_message(
-        self,
-        *,
-        bootstrap_info: dict,
-        message: List[bytes],
-        operation: Literal["_register_kv_args", "BOOTSTRAP", "send_metadata"],
-    ) -> None:
-        """Like _send_bootstrap_message, but sent by the push sender thread:
-        the caller does not wait. A failed send fails the request as an
-        inline one did, if it has not ended since, and the routes are fetched
-        again."""
-
-        def on_failure(exc: BaseException) -> None:
-            if operation != "BOOTSTRAP":
-                self.invalidate_cached_bootstrap_infos()
-            if self.kv_mgr.request_status.get(self.bootstrap_room) is None:
-                return  # the request has ended: nothing to fail
-            self.kv_mgr.record_failure(
-                self.bootstrap_room,
-                f"{operation} to prefill {bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')} failed: {exc!r}",
-            )
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-
-        self.start_push_sender().post(bootstrap_info, message, on_failure)
 
     def send_metadata(
         self,
@@ -4803,11 +3399,13 @@ class CommonKVReceiver(BaseKVReceiver):
                 is_dummy=bootstrap_info["is_dummy"],
                 device_kv_indices=device_kv_indices,
             )
-            self._post_bootstrap_message(
+            if not self._send_bootstrap_message(
                 bootstrap_info=bootstrap_info,
                 message=message,
                 operation="send_metadata",
-            )
+            ):
+                self.invalidate_cached_bootstrap_infos()
+                return
 
         self.init_time = time.time()
 
@@ -4865,8 +3463,7 @@ class CommonKVReceiver(BaseKVReceiver):
             self.bootstrap_room
         )
         # A failure recorded for this room and never read by failure_exception()
-        # (the request was aborted, or ended before a late send failure) goes
-        # with the room.
+        # (an aborted request) goes with the room.
         with self.kv_mgr.failure_lock:
             self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
         if self.kv_mgr.defer_decode_allocation:
@@ -4921,21 +3518,28 @@ class CommonKVReceiver(BaseKVReceiver):
                 self.bootstrap_room
             )
         for bootstrap_info in self.bootstrap_infos:
-            # Best-effort notification to prefill side that this request was
-            # aborted; the push sender logs a failed send.
-            self.start_push_sender().post(
-                bootstrap_info,
-                AbortNotification(
-                    room=self.bootstrap_room,
-                    decode_ip=self.kv_mgr.local_ip,
-                    decode_port=self.kv_mgr.rank_port,
-                    generation=self._abort_generation,
-                ).to_zmq(),
-            )
-            logger.debug(
-                f"Sent abort notification for room {self.bootstrap_room} "
-                f"to {bootstrap_info.get('rank_ip', 'unknown')}:{bootstrap_info.get('rank_port', 'unknown')}"
-            )
+            # Best-effort notification to prefill side that this request was aborted.
+            try:
+                sock, lock = self._connect_to_bootstrap_server(bootstrap_info)
+                with lock:
+                    # Never waits: see _send_bootstrap_message.
+                    sock.send_multipart(
+                        AbortNotification(
+                            room=self.bootstrap_room,
+                            decode_ip=self.kv_mgr.local_ip,
+                            decode_port=self.kv_mgr.rank_port,
+                            generation=self._abort_generation,
+                        ).to_zmq(),
+                        flags=zmq.NOBLOCK,
+                    )
+                logger.debug(
+                    f"Sent abort notification for room {self.bootstrap_room} "
+                    f"to {bootstrap_info.get('rank_ip', 'unknown')}:{bootstrap_info.get('rank_port', 'unknown')}"
+                )
+            except Exception as e:
+                logger.debug(
+                    f"Failed to send abort notification for room {self.bootstrap_room}: {e}"
+                )
 
 
 class CommonKVBootstrapServer(BaseKVBootstrapServer):

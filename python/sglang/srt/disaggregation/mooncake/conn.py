@@ -24,7 +24,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
-    _TransferLanes,
+    _TransferScheduler,
 )
 from sglang.srt.disaggregation.common.staging_handler import (
     STAGING_WATERMARK_WAIT_S,
@@ -350,9 +350,20 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
             self._staging_ctx = PrefillStagingContext() if self.enable_staging else None
             if self.enable_staging:
                 self._init_staging_buffers(len(self.transfer_queues))
-            for i, (queue, executor) in enumerate(
-                zip(self.transfer_queues, self.executors)
-            ):
+            worker_queues = self.transfer_queues
+            if not self.enable_staging:
+                # Chunks queue by decode destination, so that one that stops
+                # answering holds one worker, not its queue (see
+                # _TransferScheduler). Staging keeps 0.5.23's queues: a worker
+                # puts a chunk it defers back on its own.
+                self._transfer_scheduler = _TransferScheduler(
+                    first_contact=self._probe_before_first_transfer
+                )
+                worker_queues = [
+                    self._transfer_scheduler.worker_queue()
+                    for _ in self.transfer_queues
+                ]
+            for i, (queue, executor) in enumerate(zip(worker_queues, self.executors)):
                 # Track the thread so teardown() can join it: otherwise every
                 # P->D->P flip that re-enters PREFILL leaks threads
                 # (each parked forever in FastQueue.get()).
@@ -372,23 +383,6 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 )
                 t.start()
                 self._worker_threads.append(t)
-            if not self.enable_staging:
-                # Staging and DCP-relayout transfers keep the queues above:
-                # their buffers are per worker.
-                self._transfer_lanes = _TransferLanes(
-                    "pd-mooncake-transfer",
-                    run_worker=self.transfer_worker,
-                    on_stuck=self._fail_stuck_transfers,
-                    first_contact=self._probe_before_first_transfer,
-                    executor_workers=transfer_thread_pool_size // transfer_queue_size,
-                )
-                logger.info(
-                    "Mooncake KV transfers to each decode run on a lane of their "
-                    f"own (up to {self._transfer_lanes.max_lanes} at once, a "
-                    "thread each); SGLANG_DISAGGREGATION_QUEUE_SIZE="
-                    f"{transfer_queue_size} queues are kept for DCP-relayout "
-                    "transfers."
-                )
             if self.enable_failed_session_probe:
                 self._failed_session_probe_shutdown = threading.Event()
                 t = threading.Thread(
@@ -463,8 +457,6 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         here; only mooncake-side registrations / sockets are released.
         """
         self._stopped = True
-        self._stop_bootstrap_fetches()
-        self._stop_prefill_threads()
 
         # Stop the failed-session probe loop (PREFILL role) if running.
         probe_shutdown = getattr(self, "_failed_session_probe_shutdown", None)
@@ -475,6 +467,8 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         heartbeat_shutdown = getattr(self, "_heartbeat_shutdown", None)
         if heartbeat_shutdown is not None:
             heartbeat_shutdown.set()
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            self._stop_bootstrap_fetches()
 
         # Transfer workers (PREFILL role) park in FastQueue.get(), which has no
         # timeout; push a None sentinel per shard to wake and stop them so the
@@ -486,6 +480,8 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 logger.exception(
                     "Failed to signal mooncake transfer worker on teardown"
                 )
+        if self._transfer_scheduler is not None:
+            self._transfer_scheduler.shutdown()
 
         # Shutdown thread pool executors (PREFILL role).
         for executor in getattr(self, "executors", []):
@@ -2913,7 +2909,6 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         room = notification.room
         status = self.request_status.get(room)
         room_active = status is not None and status != KVPoll.Success
-        self.note_abort_notification(notification, room_active)
 
         if self.enable_deferred_decode_kv_release:
             self._handle_deferred_abort_notification(notification, room_active)
@@ -3114,7 +3109,7 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         if trace_ctx is None:
             trace_ctx = TraceNullContext()
 
-        self._transfer_queue(self.transfer_queues, shard_idx, dst_infos).put(
+        self._transfer_queue(self.transfer_queues, shard_idx, bootstrap_room).put(
             TransferKVChunk(
                 room=bootstrap_room,
                 prefill_kv_indices=kv_indices,
@@ -3130,44 +3125,30 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         )
 
     def _probe_before_first_transfer(self, sessions: tuple) -> None:
-        """On a lane's thread, before its first chunk: probe its decode
-        sessions. The engine opens a peer's segment under a lock that every
-        transfer takes, and a peer that accepts the connection but does not
-        answer holds it for about 60 s; the probe takes no such lock, so a
-        decode that does not answer holds only its own lane."""
-        if self._transfer_lanes.is_shared(sessions):
-            return
+        """On a transfer worker, before the first chunk to these decode
+        sessions. The engine opens a peer's segment at the first transfer,
+        under a lock every transfer takes, and a peer that accepts the
+        connection but does not answer holds that lock for about 60 s. The
+        probe takes no such lock: one that fails marks the session failed,
+        and its rooms fail at once instead."""
         for session_id in sessions:
             with self.session_lock:
                 if session_id in self.failed_sessions:
-                    continue  # transfer_worker fails its rooms at once
+                    continue
             try:
                 rc = self.engine.send_probe(session_id)
             except Exception as e:
                 # No probe in this engine: open the segment as 0.5.23 does.
                 logger.debug(f"send_probe({session_id}) raised: {e}")
                 continue
-            if rc == 0:
-                continue
-            with self.session_lock:
-                self.session_failures[session_id] += 1
-                self.failed_sessions.add(session_id)
-            logger.error(
-                f"Decode session {session_id} did not answer a probe before its "
-                f"first transfer (rc={rc}); its transfers fail until it does."
-            )
-
-    def _fail_stuck_transfers(
-        self, sessions: tuple, rooms: List[int], reason: str, first: bool
-    ) -> None:
-        """Also mark its sessions failed, so that its next rooms fail at once
-        until the failed-session probe or a re-registration lifts it."""
-        if not self._transfer_lanes.is_shared(sessions):
-            with self.session_lock:
-                for session_id in sessions:
+            if rc != 0:
+                with self.session_lock:
                     self.session_failures[session_id] += 1
                     self.failed_sessions.add(session_id)
-        super()._fail_stuck_transfers(sessions, rooms, reason, first)
+                logger.error(
+                    f"Decode session {session_id} did not answer a probe before "
+                    f"its first transfer (rc={rc}); its transfers fail until it does."
+                )
 
     def get_session_id(self):
         return self.engine.get_session_id()

@@ -30,14 +30,13 @@ from mori.io import (
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
-    SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT,
     AbortNotification,
     AckTarget,
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
-    _TransferLanes,
+    _TransferScheduler,
 )
 from sglang.srt.disaggregation.common.utils import (
     AuxDataCodec,
@@ -371,14 +370,6 @@ class _SubmissionLocal(threading.local):
     statuses: Optional[List[TransferStatus]] = None
 
 
-def _mori_transfer_timeout_ms() -> int:
-    """SGLANG_MORI_TRANSFER_TIMEOUT_MS, or, at its default 0, which left the
-    wait on a decode unbounded, SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT."""
-    return envs.SGLANG_MORI_TRANSFER_TIMEOUT_MS.get() or int(
-        SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT.get() * 1000
-    )
-
-
 class MoriKVManager(CommonKVManager):
     AUX_DATA_HEADER = b"AUX_DATA"
     # Implements teardown() below, so runtime PD role switching is supported.
@@ -419,15 +410,19 @@ class MoriKVManager(CommonKVManager):
                 FastQueue() for _ in range(self._num_shards)
             ]
             self._wait_poll_ms = envs.SGLANG_MORI_WAIT_POLL_MS.get()
-            self._transfer_timeout_ms = _mori_transfer_timeout_ms()
+            self._transfer_timeout_ms = envs.SGLANG_MORI_TRANSFER_TIMEOUT_MS.get()
             self._abort_ack_lock = threading.Lock()
             if self.enable_deferred_decode_kv_release:
-                # Unbounded: a put never waits, so chunks that a stuck decode
-                # leaves writing hold its drainers, not the transfer lanes.
+                # Unbounded: a transfer worker never waits on a put, however
+                # many chunks a stuck decode leaves its drainers waiting on.
                 self._drain_queue: Queue[
                     Optional[Tuple[TransferKVChunk, List[TransferStatus]]]
                 ] = Queue()
-            for shard, queue in enumerate(self._transfer_queues):
+            # Chunks queue by decode destination (see _TransferScheduler), not
+            # by room: a decode that stops answering holds one worker.
+            self._transfer_scheduler = _TransferScheduler()
+            for shard, _ in enumerate(self._transfer_queues):
+                queue = self._transfer_scheduler.worker_queue()
                 # Track the thread so teardown() can join it: otherwise every
                 # P->D->P flip that re-enters PREFILL leaks _num_shards threads
                 # (each parked forever in FastQueue.get()).
@@ -453,13 +448,6 @@ class MoriKVManager(CommonKVManager):
                     )
                     t.start()
                     self._worker_threads.append(t)
-            # Shards go by room, so a stuck decode's rooms held every shard;
-            # its rooms now go to a transfer lane of its own.
-            self._transfer_lanes = _TransferLanes(
-                "pd-mori-transfer",
-                run_worker=lambda lane, executor: self._transfer_worker(lane),
-                on_stuck=self._fail_stuck_transfers,
-            )
             self._start_bootstrap_thread()
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             self._worker_threads.append(self._start_decode_listener_thread())
@@ -840,9 +828,7 @@ class MoriKVManager(CommonKVManager):
             return
 
         shard_idx = bootstrap_room % self._num_shards
-        self._transfer_queue(
-            self._transfer_queues, shard_idx, self.transfer_infos[bootstrap_room]
-        ).put(
+        self._transfer_queue(self._transfer_queues, shard_idx, bootstrap_room).put(
             TransferKVChunk(
                 room=bootstrap_room,
                 prefill_kv_indices=kv_indices,
@@ -961,10 +947,7 @@ class MoriKVManager(CommonKVManager):
             current = self.request_status.get(bootstrap_room)
             room_active = current is not None and current != KVPoll.Success
             if room_active and current != KVPoll.Failed:
-                self.note_abort_notification(notification, room_active)
                 self.update_status(bootstrap_room, KVPoll.Failed)
-            elif not room_active:
-                self.note_abort_notification(notification, room_active)
 
         if room_active:
             logger.debug("Room %s marked Failed via ABORT from decode", bootstrap_room)
@@ -1041,8 +1024,10 @@ class MoriKVManager(CommonKVManager):
         here; only mori-side registrations / sockets / engine are released.
         """
         self._stopped = True
-        self._stop_bootstrap_fetches()
-        self._stop_prefill_threads()
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            self._stop_bootstrap_fetches()
+        if self._transfer_scheduler is not None:
+            self._transfer_scheduler.shutdown()
         # Transfer workers (PREFILL role) park in FastQueue.get(), which has no
         # timeout; push a None sentinel per shard to wake and stop them so the
         # join below returns instead of leaking the thread.

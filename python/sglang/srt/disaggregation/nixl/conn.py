@@ -22,13 +22,12 @@ if TYPE_CHECKING:
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, StateType
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
-    SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT,
     AbortNotification,
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
-    _TransferLanes,
+    _TransferScheduler,
 )
 from sglang.srt.disaggregation.common.staging_handler import (
     STAGING_WATERMARK_WAIT_S,
@@ -190,9 +189,11 @@ class _NixlPostError(RuntimeError):
 # This worker serves other rooms, so bound that wait.
 NIXL_ERR_SETTLE_TIMEOUT_S = 5.0
 NIXL_ERR_SETTLE_POLL_S = 0.001
-# A healthy batch is polled with pauses that double up to this, so that a wait
-# on a decode that stopped answering does not spin a core.
-NIXL_POLL_MAX_S = 0.002
+# A healthy batch none of whose handles settles for this long is given up: its
+# decode likely stopped answering (over TCP its handles run as long as it
+# does). Its room is left to the decode's waiting timeout, and that decode's
+# next rooms fail at once for as long, so that it holds no transfer worker.
+NIXL_NO_PROGRESS_TIMEOUT_S = 30.0
 
 
 def _resolve_ucx_device_list(ib_device: str, gpu_id: int) -> Optional[str]:
@@ -579,6 +580,9 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
     reports_transfer_latency = True
     # ABORT handler defers the ack until the transfer worker drains.
     supports_deferred_decode_kv_release = True
+    # Decode agent -> when a batch to it was given up without progress (see
+    # NIXL_NO_PROGRESS_TIMEOUT_S); made on first use.
+    _stuck_decodes: Optional[Dict[str, float]] = None
     # Newer NIXL prepares compressed (addr, len, dev_id, stride, count) runs
     # directly; cleared on the first TypeError to expand per block instead.
     _use_strided_descs: bool = True
@@ -730,7 +734,17 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             if self.enable_staging:
                 self._init_staging_prefill_ctx()
                 self._init_staging_buffers(len(self.transfer_queues))
-            for i, queue in enumerate(self.transfer_queues):
+            worker_queues = self.transfer_queues
+            if not self.enable_staging:
+                # Chunks queue by decode destination (see _TransferScheduler).
+                # Staging keeps 0.5.23's queues: a worker puts a chunk it
+                # defers back on its own.
+                self._transfer_scheduler = _TransferScheduler()
+                worker_queues = [
+                    self._transfer_scheduler.worker_queue()
+                    for _ in self.transfer_queues
+                ]
+            for i, queue in enumerate(worker_queues):
                 staging_buffer = (
                     self._staging_ctx.buffers[i]
                     if self.enable_staging and self._staging_ctx.buffers
@@ -741,20 +755,6 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                     args=(queue, staging_buffer, i),
                     daemon=True,
                 ).start()
-            if not self.enable_staging:
-                # DCP-relayout transfers keep the queues above: their buffers
-                # are per worker.
-                self._transfer_lanes = _TransferLanes(
-                    "pd-nixl-transfer",
-                    run_worker=lambda lane, executor: self.transfer_worker(lane),
-                    on_stuck=self._fail_stuck_transfers,
-                )
-                logger.info(
-                    "NIXL KV transfers to each decode run on a lane of their own "
-                    f"(up to {self._transfer_lanes.max_lanes} at once, a thread "
-                    f"each); SGLANG_DISAGGREGATION_QUEUE_SIZE={transfer_queue_size} "
-                    "queues are kept for DCP-relayout transfers."
-                )
             self._start_bootstrap_thread()
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             if self.enable_staging:
@@ -1100,6 +1100,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         prefill workers, sockets and NIXL registrations are left in place.
         """
         self._stopped = True
+        if self._transfer_scheduler is not None:
+            self._transfer_scheduler.shutdown()
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self._stop_bootstrap_fetches()
             self._heartbeat_shutdown.set()
@@ -1157,25 +1159,52 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         if state == "ERR":
             raise _NixlPostError(error_msg)
 
+    def _release_handles(self, handles: List[Any]) -> None:
+        """Release the handles of a batch that settled (0.5.23 kept them)."""
+        for handle in handles:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as e:
+                logger.debug(f"Failed to release a NIXL transfer handle: {e}")
+
+    def _note_stuck_decode(self, transfer_infos) -> None:
+        if self._stuck_decodes is None:
+            self._stuck_decodes = {}
+        for agent_name in transfer_infos:
+            self._stuck_decodes[agent_name] = time.monotonic()
+
+    def _stuck_decode(self, transfer_infos) -> Optional[str]:
+        """Why a room to these decodes fails at once: one left a batch
+        without progress within the last NIXL_NO_PROGRESS_TIMEOUT_S."""
+        for agent_name in transfer_infos if self._stuck_decodes else ():
+            since = self._stuck_decodes.get(agent_name)
+            if since is not None:
+                if time.monotonic() - since < NIXL_NO_PROGRESS_TIMEOUT_S:
+                    return (
+                        f"Decode {agent_name} left a KV transfer of this prefill "
+                        f"without progress for {NIXL_NO_PROGRESS_TIMEOUT_S:.0f} s; "
+                        f"its transfers fail at once for as long."
+                    )
+                del self._stuck_decodes[agent_name]
+        return None
+
     def _await_handles(
         self, handles: List[Any], *, failure_seen: bool
     ) -> Tuple[bool, bool]:
         """Poll until every handle settled. Returns ``(settled, any_failed)``.
 
-        The wait is bounded to SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT while
-        every handle is still healthy (a decode that stopped answering over TCP
-        leaves its handles running for as long as it does), and to
-        NIXL_ERR_SETTLE_TIMEOUT_S from the moment the batch is known broken.
+        The wait is unbounded while every handle is still healthy, and bounded
+        to NIXL_ERR_SETTLE_TIMEOUT_S from the moment the batch is known broken.
         ``failure_seen`` arms that deadline up front, for a batch that raised
         before the barrier ran. A state that cannot be read counts as running,
         since it does not prove the write into the decode's pages is over.
         """
         deadline = time.time() + NIXL_ERR_SETTLE_TIMEOUT_S if failure_seen else None
-        give_up = time.monotonic() + SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT.get()
-        pause = 0.0
+        progress, progress_at = 0, time.monotonic()
         while True:
             all_settled = True
             any_failed = failure_seen
+            done = 0
             try:
                 for handle in handles:
                     state = self.agent.check_xfer_state(handle)
@@ -1183,16 +1212,19 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                         any_failed = True
                     elif state != "DONE":
                         all_settled = False
+                    else:
+                        done += 1
             except Exception as e:
                 logger.warning(f"Failed to read NIXL transfer state: {e}")
                 return False, True
             if all_settled:
                 return True, any_failed
             if not any_failed:
-                if time.monotonic() >= give_up:
+                if done > progress:
+                    progress, progress_at = done, time.monotonic()
+                elif time.monotonic() - progress_at >= NIXL_NO_PROGRESS_TIMEOUT_S:
                     return False, True
-                time.sleep(pause)
-                pause = min(NIXL_POLL_MAX_S, max(2 * pause, 1e-5))
+                time.sleep(0)
                 continue
             # This room is already lost, so trade its notification for the
             # worker's other rooms: back off, and give up waiting for the
@@ -1679,7 +1711,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         while True:
             kv_chunk: TransferKVChunk = queue.get()
             if kv_chunk is None:
-                break  # its transfer lane ended
+                break  # teardown
             room = kv_chunk.room
             handles: List[Any] = []
             settle_timed_out = False
@@ -1731,6 +1763,10 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                     and staging_buffer is not None
                 ):
                     staging_strategy = self._try_create_staging_strategy(staging_buffer)
+
+                stuck = self._stuck_decode(room_transfer_infos)
+                if stuck is not None:
+                    raise RuntimeError(stuck)  # nothing posted: the decode is told
 
                 self.update_status(room, KVPoll.Transferring)
 
@@ -1952,13 +1988,14 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                 settled, any_failed = self._await_handles(handles, failure_seen=False)
                 if not settled:
                     settle_timed_out = True
+                    self._note_stuck_decode(room_transfer_infos)
                     raise RuntimeError(
-                        f"NIXL transfer for room {room} to decode "
-                        f"{','.join(room_transfer_infos)} left a handle running "
-                        f"{SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT.get():.0f}s "
-                        "(SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT), or "
-                        f"{NIXL_ERR_SETTLE_TIMEOUT_S}s after a peer handle failed"
+                        f"NIXL transfer for room {room} left a handle running "
+                        f"{NIXL_ERR_SETTLE_TIMEOUT_S}s after a peer handle failed, "
+                        f"or without progress for {NIXL_NO_PROGRESS_TIMEOUT_S:.0f}s"
                     )
+                self._release_handles(handles)
+                handles = []
                 if any_failed:
                     raise RuntimeError(f"NIXL transfer encountered ERR room={room}")
 
@@ -2015,6 +2052,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                 if not settle_timed_out:
                     notify, _ = self._await_handles(handles, failure_seen=True)
                 if notify:
+                    self._release_handles(handles)
                     if (
                         isinstance(e, _NixlPostError)
                         and self.enable_deferred_decode_kv_release
@@ -3368,9 +3406,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             info.dst_port for info in self.transfer_infos[bootstrap_room].values()
         )
         shard_idx = session_port_sum % len(self.transfer_queues)
-        self._transfer_queue(
-            self.transfer_queues, shard_idx, self.transfer_infos[bootstrap_room]
-        ).put(
+        self._transfer_queue(self.transfer_queues, shard_idx, bootstrap_room).put(
             TransferKVChunk(
                 room=bootstrap_room,
                 prefill_kv_indices=kv_indices,
@@ -3411,7 +3447,6 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                 f"Received abort notification for room {room_to_be_aborted}, "
                 f"ignoring (already completed or unknown)"
             )
-        self.note_abort_notification(notification, room_active)
 
         self._handle_deferred_abort_ack(notification)
         return True

@@ -1,0 +1,202 @@
+"""One decode, many prefills: a sick prefill holds only its own threads.
+
+- _PrefillThreads runs each call to a prefill on that prefill's threads, at
+  most PREFILL_THREADS of them: however many prefills hang, another's call
+  starts at once; threads end when idle; shutdown never waits on a prefill.
+- The heartbeat probes every prefill at once, so frozen prefills are all
+  declared failed in the same round however many they are, and a probe that
+  hangs is a miss that no second probe queues behind.
+
+CPU-only, no sleeps: calls are held on ``threading.Event`` and meet at a
+``threading.Barrier``.
+"""
+
+import threading
+import unittest
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from unittest import mock
+
+from sglang.srt.disaggregation.common import conn as conn_mod
+from sglang.srt.disaggregation.common.conn import PREFILL_THREADS, _PrefillThreads
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from test_no_network_on_scheduler_thread import make_decode_manager
+
+register_cpu_ci(est_time=3, suite="base-a-test-cpu")
+
+_WAIT_S = 30
+
+
+class Hang:
+    """A call that signals it started and waits until released."""
+
+    def __init__(self):
+        self.started = threading.Semaphore(0)
+        self.release = threading.Event()
+        self.threads = set()
+
+    def __call__(self, addr, value=None):
+        self.threads.add(threading.current_thread())
+        self.started.release()
+        self.release.wait(_WAIT_S)
+        return value
+
+
+class TestPrefillThreads(CustomTestCase):
+    def setUp(self):
+        super().setUp()
+        self.shared = ThreadPoolExecutor(max_workers=1)
+        self.pool = _PrefillThreads(self.shared, idle_s=0)
+        self.addCleanup(self.pool.shutdown, wait=False, cancel_futures=True)
+        self.hang = Hang()
+        self.addCleanup(self.hang.release.set)
+
+    def test_hung_prefills_hold_only_their_own_threads(self):
+        hung = [f"10.0.0.{i}:8998" for i in range(16)]
+        for addr in hung:
+            for _ in range(PREFILL_THREADS + 3):
+                self.pool.submit(self.hang, addr)
+        for _ in range(len(hung) * PREFILL_THREADS):
+            self.assertTrue(self.hang.started.acquire(timeout=_WAIT_S))
+        # Only PREFILL_THREADS of each prefill's calls started; the rest wait.
+        self.assertFalse(self.hang.started.acquire(blocking=False))
+        self.assertEqual(len(self.hang.threads), len(hung) * PREFILL_THREADS)
+
+        healthy = self.pool.submit(lambda addr: addr.upper(), "healthy:1")
+        self.assertEqual(healthy.result(timeout=_WAIT_S), "HEALTHY:1")
+
+    def test_results_errors_and_calls_without_an_address(self):
+        self.assertEqual(
+            self.pool.submit(lambda addr, x: x + 1, "a:1", 1).result(_WAIT_S), 2
+        )
+        failing = self.pool.submit(lambda addr: {}[addr], "a:1")
+        self.assertIsInstance(failing.exception(_WAIT_S), KeyError)
+        # A PD-retract /generate (its first argument a receiver) is 0.5.23's.
+        with mock.patch.object(self.shared, "submit", wraps=self.shared.submit) as s:
+            receiver = SimpleNamespace(bootstrap_addr="a:1")
+            self.pool.submit(lambda r: r, receiver).result(_WAIT_S)
+        s.assert_called_once()
+
+    def test_threads_end_when_idle(self):
+        for i in range(50):  # prefills that come and go
+            self.pool.submit(lambda addr: None, f"10.1.0.{i}:8998").result(_WAIT_S)
+        for thread in threading.enumerate():
+            if thread.name.startswith("pd-prefill-"):
+                thread.join(_WAIT_S)
+        self.assertEqual(
+            [t.name for t in threading.enumerate() if t.name.startswith("pd-prefill-")],
+            [],
+        )
+        self.assertEqual(self.pool._tasks, {})
+
+    def test_shutdown_waits_on_no_prefill_and_cancels_what_is_queued(self):
+        running = self.pool.submit(self.hang, "a:1")
+        self.pool.submit(self.hang, "a:1")
+        queued = self.pool.submit(self.hang, "a:1")
+        self.assertTrue(self.hang.started.acquire(timeout=_WAIT_S))
+        self.assertTrue(self.hang.started.acquire(timeout=_WAIT_S))
+
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+        self.assertTrue(queued.cancelled())
+        self.assertFalse(running.done())
+        with self.assertRaises(RuntimeError):
+            self.pool.submit(self.hang, "a:1")
+
+
+class FakeSession:
+    def __init__(self, get):
+        self.get = get
+
+
+class TestHeartbeatProbesEveryPrefillAtOnce(CustomTestCase):
+    PREFILLS = 8
+
+    def setUp(self):
+        super().setUp()
+        self.mgr = make_decode_manager()
+        self.mgr._parallel_info_executor = _PrefillThreads(
+            ThreadPoolExecutor(max_workers=1)
+        )
+        self.addCleanup(
+            self.mgr._parallel_info_executor.shutdown, wait=False, cancel_futures=True
+        )
+        self.addrs = [f"127.0.2.{i}:8998" for i in range(self.PREFILLS)]
+        for addr in self.addrs:
+            self.mgr.prefill_info_table[addr] = object()
+        self.mgr.heartbeat_interval = 0
+        self.mgr.max_failures = 2
+        self.mgr._heartbeat_shutdown = threading.Event()
+        self.addCleanup(self.mgr._heartbeat_shutdown.set)
+
+    def probes(self, get):
+        """``get(url)`` answers every heartbeat probe."""
+        self.mgr.session_pool = defaultdict(lambda: FakeSession(get))
+
+    def run_heartbeat(self, until: threading.Event):
+        thread = self.mgr._start_heartbeat_checker_thread()
+        self.addCleanup(thread.join, _WAIT_S)
+        self.assertTrue(until.wait(_WAIT_S))
+        self.mgr._heartbeat_shutdown.set()
+
+    def test_a_round_probes_every_prefill_concurrently(self):
+        # Every probe waits until all of them are in flight at once: probed
+        # one after the other, the first would never get past this.
+        all_in_flight = threading.Barrier(self.PREFILLS, timeout=_WAIT_S)
+
+        def get(url, **kwargs):
+            all_in_flight.wait()
+            return SimpleNamespace(status_code=200)
+
+        self.probes(get)
+        answered = []
+        all_answered = threading.Event()
+
+        def on_success(addr):
+            answered.append(addr)
+            if len(set(answered)) == self.PREFILLS:
+                all_answered.set()
+
+        self.mgr._on_heartbeat_success = on_success
+        with mock.patch.object(conn_mod, "HEARTBEAT_PROBE_TIMEOUT_S", _WAIT_S):
+            self.run_heartbeat(all_answered)
+        self.assertEqual(sorted(answered[: self.PREFILLS]), sorted(self.addrs))
+
+    def test_frozen_prefills_are_all_declared_failed_in_one_round(self):
+        release = threading.Event()
+        self.addCleanup(release.set)
+        calls = defaultdict(int)
+        entered = threading.Semaphore(0)
+
+        def get(url, **kwargs):  # a frozen prefill: no answer
+            calls[url] += 1
+            entered.release()
+            release.wait(_WAIT_S)
+            return SimpleNamespace(status_code=200)
+
+        self.probes(get)
+        failed = []
+        all_failed = threading.Event()
+
+        def on_failure(addr):
+            self.mgr.prefill_info_table.pop(addr)
+            failed.append(addr)
+            if len(failed) == self.PREFILLS:
+                all_failed.set()
+
+        self.mgr._handle_node_failure = on_failure
+        # A probe not answered by its deadline is a miss.
+        with mock.patch.object(conn_mod, "HEARTBEAT_PROBE_TIMEOUT_S", 0):
+            self.run_heartbeat(all_failed)
+        self.assertEqual(sorted(failed), sorted(self.addrs))
+        # Two misses each, one probe each: none queued behind a hung one.
+        for _ in self.addrs:
+            self.assertTrue(entered.acquire(timeout=_WAIT_S))
+        self.assertEqual(set(calls.values()), {1})
+        self.assertFalse(release.is_set())
+
+
+if __name__ == "__main__":
+    unittest.main()
