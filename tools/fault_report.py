@@ -215,7 +215,10 @@ def mirror_violations(run: Optional[dict]) -> list:
                 out.append(f"a sick decode's room {room['pstatus'] or 'never ended'}")
             elif ended >= run["bound_s"] + MIRROR_SLACK_S:
                 out.append(f"a sick decode's room ended after {ended:.0f} s")
-            elif run["decode"] not in (room["perror"] or ""):
+            elif not any(
+                name in (room["perror"] or "")
+                for name in (run["decode"], run.get("rank", run["decode"]))
+            ):
                 out.append("its error does not name the decode")
     return sorted(set(out))
 

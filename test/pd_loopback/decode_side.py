@@ -115,7 +115,9 @@ class DecodeSide:
             req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
             metadata_buffers=self.metadata_buffers,
             scheduler=self.scheduler,
-            transfer_queue=SimpleNamespace(queue=[], enable_staging=False),
+            transfer_queue=SimpleNamespace(
+                queue=[], _deferred_releases=[], enable_staging=False
+            ),
             tree_cache=None,
             gpu_id=0,
             bootstrap_port=self.server_args.disaggregation_bootstrap_port,
@@ -269,17 +271,18 @@ class DecodeSide:
     def _prealloc(self) -> None:
         """For requests whose handshake is done: allocate KV and a metadata
         slot and publish them with ``send_metadata``, as ``_pre_alloc`` /
-        ``_send_kv_metadata`` do. With the patch, pop_preallocated's checks
-        by prefill come first (a prefill held back or over its share is
-        skipped, not a break), on the harness's own transfers."""
+        ``_send_kv_metadata`` do. With the patch, pop_preallocated's share
+        check comes first (a request of a prefill at its share is skipped, not
+        a break), on the harness's own transfers."""
         import torch
         from sglang.srt.mem_cache.common import kv_to_page_indices
 
         queue = self.queue
-        admission, skipped = None, set()
-        if hasattr(queue, "_admission_cycle"):
+        shares, skipped = None, set()
+        patched = hasattr(queue, "_prefill_shares")
+        if patched:
             queue.transfer_queue.queue = [t.decode_req for t in self.transferring]
-            admission = queue._admission_cycle()
+            shares = queue._prefill_shares()
         moved = []
         for decode_req in queue.queue:
             if not decode_req.waiting_for_input:
@@ -287,8 +290,8 @@ class DecodeSide:
             t = self._by_decode_req.get(id(decode_req))
             if t is None:
                 continue
-            if admission is not None and queue._skip_for_its_prefill(
-                decode_req, admission, skipped
+            if shares is not None and queue._held_at_share(
+                decode_req, shares, skipped
             ):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)
@@ -304,8 +307,8 @@ class DecodeSide:
                 kv_indices.to(torch.int32), pd_setup.PAGE_SIZE
             )
             decode_req.kv_receiver.send_metadata(page_indices, t.metadata_index)
-            if admission is not None:
-                admission.hold(decode_req, queue._admission_tokens(decode_req.req))
+            if patched:
+                queue._note_admitted(decode_req, shares)
             t.state = "transferring"
             t.t_metadata = time.perf_counter()
             moved.append(decode_req)
@@ -316,19 +319,13 @@ class DecodeSide:
 
     def _poll_transfers(self) -> None:
         from sglang.srt.disaggregation.base import KVPoll
-        from sglang.srt.disaggregation.decode import _bootstrap_addr
 
-        # With the patch, the transfer queue tells the admission of each
-        # transfer that ends (DecodeTransferQueue.pop_transferred).
-        admission = getattr(self.queue.transfer_queue, "prefill_admission", None)
         still = []
         for t in self.transferring:
             receiver = t.decode_req.kv_receiver
             state = receiver.poll()
             now = time.perf_counter()
             if state == KVPoll.Success:
-                if admission is not None:
-                    admission.progress(_bootstrap_addr(t.req), time.monotonic())
                 t.kv_ok, t.aux_ok = self._check_kv(t)
                 t.state = "success"
                 t.t_done = now

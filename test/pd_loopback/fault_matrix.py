@@ -644,32 +644,29 @@ def teardown_child(addr: str, backend: str) -> int:
     return 0
 
 
-# Row 11: the decode's bounds for a prefill that makes no progress (10 s to
-# mark it stuck, 30 s to give up on its requests), shortened to fit the run.
-STUCK_PREFILL_ENV = {
-    "SGLANG_DISAGGREGATION_STUCK_PREFILL_TIMEOUT": "2",
-    "SGLANG_DISAGGREGATION_STUCK_PREFILL_GIVE_UP_TIMEOUT": "6",
-}
+# Row 11: the decode's waiting timeout (0.5.23's SGLANG_DISAGGREGATION_WAITING_
+# TIMEOUT, 300 s), which ends the requests of a prefill that makes no progress,
+# shortened to fit the run.
+STUCK_WAITING_TIMEOUT_S = 6
 # Eight requests this big fill the decode's pool.
 BIG_TOKENS = harness.pd_setup.POOL_TOKENS // 8
 
 
 @contextlib.contextmanager
 def stuck_prefill_bounds(decode):
-    saved = {k: os.environ.get(k) for k in STUCK_PREFILL_ENV}
-    os.environ.update(STUCK_PREFILL_ENV)
-    # The patched queue makes its admission, with these bounds, on the next
-    # cycle (stock has none: the attribute is unused).
-    decode.queue._admission = None
+    saved = os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
+    os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(STUCK_WAITING_TIMEOUT_S)
+    # The receivers read it from their manager, set at its start.
+    saved_manager = decode.kv_manager.waiting_timeout
+    decode.kv_manager.waiting_timeout = STUCK_WAITING_TIMEOUT_S
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        decode.queue._admission = None
+        decode.kv_manager.waiting_timeout = saved_manager
+        if saved is None:
+            os.environ.pop("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", None)
+        else:
+            os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = saved
 
 
 def _frozen_scheduler_rounds(run: Run):
@@ -841,6 +838,7 @@ def run_mirror_rows(backend: str, rows: list) -> List[dict]:
                 knob=knob,
                 bound_s=bound_s,
                 decode=c.decodes[sick].ready_info()["session_id"],
+                rank=f"{mirror.HOST}:{c.decodes[sick].ready_info()['rank_port']}",
             )
             c.decodes[sick].kill()
             print(f"[faults]   {json.dumps(r.get('summary') or r)}", flush=True)

@@ -51,26 +51,28 @@ from prefill_processes import (  # noqa: E402
 FAULTS = ("frozen", "frozen_first_contact", "not_reading")
 
 # The fault matrix's sick-decode rows (12-14; test_mirror.py and
-# fault_matrix.py): every decode's rooms on the one 0.5.23 queue, so that
-# without per-decode lanes the healthy one waits 30-60 s, and the patched
-# bounds shortened to keep the rows short.
+# fault_matrix.py): every decode's rooms on the same one of two 0.5.23
+# queues, so that stock's healthy decode waits 30-60 s, and the patched
+# prefill's two transfer workers: one for the sick decode, one for the rest.
+# Mooncake's own bound on a transfer (MC_TRANSFER_TIMEOUT, 30 s) shortened
+# to keep the rows short; a decode frozen before the first transfer to it
+# fails when the probe before that transfer gives up (~60 s, not settable).
 ROW_TRANSFER_TIMEOUT_S = 3
-ROW_HANDSHAKE_TIMEOUT_S = 2
+ROW_PROBE_TIMEOUT_S = 62
 ROW_ENV = {
-    "SGLANG_DISAGGREGATION_QUEUE_SIZE": "1",
-    "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT": str(ROW_TRANSFER_TIMEOUT_S),
-    "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT": str(ROW_HANDSHAKE_TIMEOUT_S),
+    "SGLANG_DISAGGREGATION_QUEUE_SIZE": "2",
+    "MC_TRANSFER_TIMEOUT": str(ROW_TRANSFER_TIMEOUT_S),
 }
 ROW_WINDOW_S = 6.0
-ROW_DECODES = {"B": None, "A1": None, "A2": None, "A3": None}
-# (name, title, fault, sick decode, the knob that bounds it, its bound)
+ROW_DECODES = {"B": 0, "A1": 0, "A2": 0, "A3": 0}
+# (name, title, fault, sick decode, what its rooms fail with, its bound)
 ROWS = [
     (
         "decode_frozen",
         "12. decode frozen (SIGSTOP) after the first transfer to it",
         "frozen",
         "A1",
-        "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT",
+        "Failed to send kv chunk",
         ROW_TRANSFER_TIMEOUT_S,
     ),
     (
@@ -78,8 +80,8 @@ ROWS = [
         "13. decode frozen before the first transfer to it",
         "frozen_first_contact",
         "A2",
-        "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT",
-        ROW_HANDSHAKE_TIMEOUT_S,
+        "is not alive",
+        ROW_PROBE_TIMEOUT_S,
     ),
     (
         "decode_not_reading",
