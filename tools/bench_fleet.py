@@ -26,10 +26,9 @@ in-process bootstrap servers that answer /health until they are frozen.
   connections) to its declaration, alone and while 31 others are frozen.
 - P15: 1,000 prefill addresses come and go, 50 at a time: each answers its
   bootstrap queries for one request, then goes away and is declared failed.
-  The decode's threads, open fds and PD tables (its state log), idle after
+  The decode's threads, open fds and PD tables (decode_tables), idle after
   the first 50 and idle after all 1,000 (patched only; timers shortened:
-  heartbeat every 2 s, lane threads and keep-alive connections idle 2 s,
-  orphaned rooms kept 5 s).
+  heartbeat every 2 s, a prefill's threads end after 2 s idle).
 - The decode's threads and open fds with 64 frozen prefills, and after they
   are gone (lane threads started in that scenario end after 2 s idle, 60 s
   by default). Each scenario starts 1 s after the previous one's clean-up.
@@ -66,6 +65,27 @@ PERIOD_S = 0.005
 LANE_IDLE_S = 2.0
 QUIET_S = 1.0
 HOST = "127.0.0.1"
+
+
+def decode_tables(mgr) -> dict:
+    """Sizes of the decode manager's per-prefill and per-room tables; one
+    that stays above 0 while the decode is idle is a leak."""
+
+    def size(name: str) -> int:
+        return len(getattr(mgr, name, ()) or ())
+
+    pool = getattr(mgr, "_parallel_info_executor", None)
+    return {
+        "prefills": size("prefill_info_table"),
+        "route_cache": size("connection_pool"),
+        "route_setups": size("_route_setups"),
+        "fetches_in_flight": size("_parallel_info_inflight"),
+        "heartbeat_failures": size("heartbeat_failures"),
+        "failure_records": size("failure_records"),
+        "request_status": size("request_status"),
+        "rooms_tracked": sum(map(len, getattr(mgr, "addr_to_rooms_tracker", {}).values())),
+        "prefills_with_threads": len(getattr(pool, "_tasks", ()) or ()),
+    }
 
 
 class Trickle:
@@ -392,8 +412,6 @@ class Bench:
 
     def churn(self, total: int = 1000, wave: int = 50) -> dict:
         """P15: ``total`` prefill addresses come and go, ``wave`` at a time."""
-        from sglang.srt.disaggregation.common import conn
-
         d = self.cluster.decode
         mgr = d.kv_manager
         healthy = self.cluster.prefills[0]
@@ -403,16 +421,9 @@ class Bench:
             timeout=5,
         ).json()
         pool = mgr._parallel_info_executor
-        saved = (
-            pool._idle_s,
-            mgr.heartbeat_interval,
-            mgr._orphaned_rooms.max_age_s,
-            conn._bootstrap_http._idle_s,
-        )
+        saved = (pool._idle_s, mgr.heartbeat_interval)
         pool._idle_s = LANE_IDLE_S
         mgr.heartbeat_interval = 2.0
-        mgr._orphaned_rooms.max_age_s = 5.0
-        conn._bootstrap_http._idle_s = LANE_IDLE_S
         d.run_for(6.0, period_s=0.05)  # the heartbeat picks its interval up
 
         def come_and_go():
@@ -431,11 +442,11 @@ class Bench:
             return peak
 
         def idle():
-            # Everything idle runs out: lane threads, connections, orphaned
-            # rooms, and the heartbeat's probes of their prefills.
+            # Everything idle runs out: a prefill's threads, and the
+            # heartbeat's probes of the prefills.
             d.abort_all()
             d.run_for(12.0, period_s=0.05)
-            return threads_and_fds(), mgr.disaggregation_state()
+            return threads_and_fds(), decode_tables(mgr)
 
         try:
             # A first wave warms up what stays (sockets and threads of the
@@ -450,12 +461,7 @@ class Bench:
             churn_s = time.monotonic() - t_start
             after, state_after = idle()
         finally:
-            (
-                pool._idle_s,
-                mgr.heartbeat_interval,
-                mgr._orphaned_rooms.max_age_s,
-                conn._bootstrap_http._idle_s,
-            ) = saved
+            pool._idle_s, mgr.heartbeat_interval = saved
         return {
             "total": total,
             "wave": wave,

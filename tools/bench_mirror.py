@@ -83,7 +83,9 @@ def main() -> int:
     variant, detected = detect_variant()
     result = {"variant": variant, "detected": detected, "setups": []}
     for backend in args.backends.split(","):
-        for queues in (1, 4) if backend == "mooncake" else (4,):
+        # The patched prefill's transfer workers are QUEUE_SIZE: 2 is the
+        # fewest that keep one free of a stuck decode.
+        for queues in (2, 4) if backend == "mooncake" else (4,):
             result["setups"].append(run_setup(backend, queues, args.quick))
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

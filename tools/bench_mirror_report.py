@@ -104,11 +104,11 @@ def report(stock, patched, png) -> str:
     lines += [
         "",
         "Prefill CPU is the prefill process's over the fault's window. A's rooms "
-        "end as the prefill's sender saw them: stock waits on the transport "
+        "end as the prefill's sender saw them: both wait on the transport "
         "(Mooncake's MC_TRANSFER_TIMEOUT, 30 s, or 60 s in the handshake of a "
-        "first contact; NIXL without bound), patched fails them after "
-        "SGLANG_DISAGGREGATION_KV_TRANSFER_TIMEOUT (30 s) or "
-        "SGLANG_DISAGGREGATION_DECODE_HANDSHAKE_TIMEOUT (10 s), naming the decode.",
+        "first contact; stock's NIXL without bound, patched's NIXL after 30 s "
+        "without progress), patched on one transfer worker of its "
+        "SGLANG_DISAGGREGATION_QUEUE_SIZE, while the others serve B.",
         "",
         f"![B's latency during each fault]({os.path.basename(png)})",
         "",
