@@ -627,10 +627,11 @@ def cmd_bench(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench-out")
     ap.add_argument(
         "--only",
-        choices=("stall", "fleet", "admission", "mirror"),
+        choices=("stall", "fleet", "admission", "mirror", "share"),
         help="the stall bench (P1-P8), the fleet bench (P9-P12, P15), the "
-        "admission bench (P14, real servers) or the mirror bench (P16, sick "
-        "decodes on the prefill) alone",
+        "admission bench (P14, real servers), the mirror bench (P16, sick "
+        "decodes on the prefill) or the share bench (P17, a prefill stuck for "
+        "good, simulated) alone",
     )
     args, rest = ap.parse_known_args(argv)
     quick = ["--quick"] if args.quick else []
@@ -653,6 +654,10 @@ def cmd_bench(argv: list[str]) -> int:
             servers=True,
         )
         if rc != 0 or args.only == "admission":
+            return rc
+    if args.only in (None, "share"):
+        rc = _compare("bench_share.py", [], "bench_share_report.py", out / "share")
+        if rc != 0 or args.only == "share":
             return rc
     return _compare("bench_mirror.py", quick, "bench_mirror_report.py", out / "mirror")
 
