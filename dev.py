@@ -15,7 +15,7 @@
         The chaos soak: the demo's deployment under load for M minutes (10) while
         a seeded schedule freezes, kills and restarts, and slows its prefills;
         stock, then patched with the same schedule (tools/soak_pd.py).
-    python3 dev.py bench [--quick] [--only stall|fleet|admission|mirror]
+    python3 dev.py bench [--quick] [--only stall|fleet|admission|share|mirror]
         The scheduler stall benchmark (P1-P8) and the fleet-scale benchmark
         (P9-P12, P15) on real PD over loopback, and the admission benchmark
         (P14: a stuck prefill, real servers), stock and patched.
@@ -683,7 +683,7 @@ USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
        python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
        python3 dev.py soak [--minutes M] [--seed S] [--both] [--backend nixl] [--out DIR]
-       python3 dev.py bench [--quick] [--only stall|fleet|admission|mirror] [--out DIR]
+       python3 dev.py bench [--quick] [--only stall|fleet|admission|share|mirror] [--out DIR]
        python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
 
