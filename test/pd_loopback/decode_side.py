@@ -116,7 +116,7 @@ class DecodeSide:
             metadata_buffers=self.metadata_buffers,
             scheduler=self.scheduler,
             transfer_queue=SimpleNamespace(
-                queue=[], _deferred_releases=[], enable_staging=False
+                queue=[], _deferred_releases=[], enable_staging=False, _served={}
             ),
             tree_cache=None,
             gpu_id=0,
@@ -278,7 +278,7 @@ class DecodeSide:
         from sglang.srt.mem_cache.common import kv_to_page_indices
 
         queue = self.queue
-        shares, skipped = None, set()
+        shares, skipped, now = None, set(), time.monotonic()
         patched = hasattr(queue, "_prefill_shares")
         if patched:
             queue.transfer_queue.queue = [t.decode_req for t in self.transferring]
@@ -291,7 +291,7 @@ class DecodeSide:
             if t is None:
                 continue
             if shares is not None and queue._held_at_share(
-                decode_req, shares, skipped
+                decode_req, shares, skipped, now
             ):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)
@@ -326,6 +326,11 @@ class DecodeSide:
             state = receiver.poll()
             now = time.perf_counter()
             if state == KVPoll.Success:
+                # As DecodeTransferQueue._note_served counts it.
+                served = getattr(self.queue.transfer_queue, "_served", None)
+                if served is not None:
+                    key = (receiver.bootstrap_addr, receiver.prefill_dp_rank)
+                    served[key] = served.get(key, 0) + 1
                 t.kv_ok, t.aux_ok = self._check_kv(t)
                 t.state = "success"
                 t.t_done = now

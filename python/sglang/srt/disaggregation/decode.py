@@ -48,6 +48,7 @@ from sglang.srt.disaggregation.common.conn import (
     BOOTSTRAP_QUERY_TIMEOUT_S,
     CommonKVManager,
     CommonKVReceiver,
+    PrefillServerInfo,
 )
 from sglang.srt.disaggregation.decode_hicache_mixin import (
     DecodeHiCachePreallocMixin,
@@ -378,8 +379,10 @@ class DecodeRequest:
     hicache_restore_lock: Optional[TreeLock] = None
     hicache_load_consumer_index: int = -1
     hicache_restore_status: HiCacheRestoreResult = HiCacheRestoreResult.PENDING
-    # Since when its prefill has been held at its share (_PrefillShares).
+    # Since when it is held at its prefill's share, and how many transfers that
+    # prefill had served to this decode when it was admitted (_PrefillShares).
     held_since: Optional[float] = None
+    served_before: int = 0
 
     @property
     def seqlen(self) -> int:
@@ -395,40 +398,46 @@ def _kv_pool_on_host(pool) -> bool:
     return str(getattr(pool, "device", "")).split(":", 1)[0] == "cpu"
 
 
-# Admissions over which a prefill counts as one sending this decode requests
-# (see _PrefillShares): enough for every prefill of a large fleet to appear.
-PREFILL_SHARE_WINDOW = 1024
-
-
 class _PrefillShares:
-    """What each prefill's requests hold of this decode's KV tokens and
-    metadata slots without their KV having arrived: in transfer, or held after
-    they ended while that prefill may still write into their pages. Each
-    prefill may hold its share: the decode's tokens and slots over the
-    prefills that hold some or had a request admitted among the last
-    PREFILL_SHARE_WINDOW. A request of a prefill that holds nothing is
-    admitted as 0.5.23 admits it, though it may be larger than any share; so a
-    prefill whose scheduler hangs for good holds at most its share, or one
-    request, however long and whatever is sent to it.
+    """What each prefill (address, dp rank) holds of the decode's KV tokens and
+    metadata slots before its KV arrives, in transfer or fenced. One that has
+    served none of them since the first was admitted is stalled, and may hold
+    its share: the pool over the prefills holding some, at least two. With
+    none in transfer it gets one request over, and another once it served one:
+    a request larger than any share starts, a prefill that recovers is served
+    again, and one hung for good holds its share and one request, forever.
+    Built from the queues and transfers served, alike on every attention-TP
+    rank: every rank decides alike, with no collective and no clock."""
 
-    Built from the queues alone, which every attention-TP rank and PP stage
-    holds alike: every rank decides alike, with no collective and no clock."""
-
-    def __init__(self, held: Dict[str, List[int]], prefills: int, tokens, slots):
+    def __init__(self, held: Dict, served: Dict, over_share: Dict, tokens, slots):
+        # prefill -> [tokens, slots, in transfer, served_before of the oldest]
         self.held = held
-        self.tokens = tokens // prefills
-        self.slots = slots // prefills
+        self.served = served
+        # prefill -> its served count when it last got one over its share
+        self.over_share = over_share
+        self.stalled = {p for p, h in held.items() if served.get(p, 0) == h[3]}
+        self.tokens = tokens // max(2, len(held))
+        self.slots = slots // max(2, len(held))
 
-    def over(self, bootstrap_addr: str, tokens: int) -> bool:
-        held = self.held.get(bootstrap_addr)
-        return held is not None and (
-            held[0] + tokens > self.tokens or held[1] + 1 > self.slots
-        )
+    def over(self, prefill, tokens: int) -> bool:
+        if prefill not in self.stalled or not self._over(self.held[prefill], tokens):
+            return False
+        held = self.held[prefill]
+        return held[2] > 0 or self.over_share.get(prefill) == held[3]
 
-    def hold(self, bootstrap_addr: str, tokens: int) -> None:
-        held = self.held.setdefault(bootstrap_addr, [0, 0])
+    def hold(self, prefill, tokens: int, served_before: int) -> None:
+        held = self.held.get(prefill)
+        if held is None:
+            held = self.held[prefill] = [0, 0, 0, served_before]
+            self.stalled.add(prefill)
+        elif prefill in self.stalled and self._over(held, tokens):
+            self.over_share[prefill] = served_before  # its one over the share
         held[0] += tokens
         held[1] += 1
+        held[2] += 1
+
+    def _over(self, held: List[int], tokens: int) -> bool:
+        return held[0] + tokens > self.tokens or held[1] >= self.slots
 
 
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
@@ -436,10 +445,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     Store the requests that are preallocating.
     """
 
-    # The prefills of the last PREFILL_SHARE_WINDOW admissions, in order, and
-    # how often each appears in them (see _PrefillShares); made on first use.
-    _recent_prefills: Optional[deque] = None
-    _recent_prefill_counts: Optional[Dict[str, int]] = None
+    # _PrefillShares.over_share, kept across cycles; made on first use.
+    _over_share: Optional[Dict] = None
 
     def __init__(
         self,
@@ -1263,7 +1270,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 continue
 
             if self.kv_manager.parallel_info_fetch_in_flight(bootstrap_addr):
-                last_attempt = self._ensure_last_attempt_time.get(bootstrap_addr, now)
+                # Kept: the requests that started it may have ended meanwhile.
+                last_attempt = self._ensure_last_attempt_time.setdefault(
+                    bootstrap_addr, now
+                )
                 if now - last_attempt < BOOTSTRAP_QUERY_TIMEOUT_S:
                     remaining.extend(reqs)
                     continue
@@ -1371,13 +1381,21 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             return {}
         rooms, future = query
         if not future.done():
-            asked_at = self._ensure_last_attempt_time.get((bootstrap_addr, rooms[0]))
-            if asked_at is None or now - asked_at < BOOTSTRAP_QUERY_TIMEOUT_S:
-                return {}
-            logger.warning(
-                f"Prefill dp-rank query to {bootstrap_addr} has not ended "
-                f"{BOOTSTRAP_QUERY_TIMEOUT_S} s after it was sent; asking again."
+            # Its rooms were asked at once; a request that ended since (an
+            # abort) took its room's time along, and with none left it is stale.
+            asked_at = max(
+                self._ensure_last_attempt_time.get(
+                    (bootstrap_addr, room), float("-inf")
+                )
+                for room in rooms
             )
+            if now - asked_at < BOOTSTRAP_QUERY_TIMEOUT_S:
+                return {}
+            if asked_at > float("-inf"):
+                logger.warning(
+                    f"Prefill dp-rank query to {bootstrap_addr} has not ended "
+                    f"{BOOTSTRAP_QUERY_TIMEOUT_S} s after it was sent; asking again."
+                )
             future.cancel()
         del self._prefill_dp_rank_queries[bootstrap_addr]
         if not future.done() or future.cancelled():
@@ -1627,7 +1645,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             running_loras.update(req.lora_id for req in self.scheduler.waiting_queue)
 
         shares = self._prefill_shares()
-        skipped: Set[str] = set()  # prefills held at their share this cycle
+        skipped: Set = set()  # prefills held at their share this cycle
+        now = time.monotonic()
 
         # Then, preallocate the remaining requests if possible
         for i, decode_req in enumerate(self.queue):
@@ -1640,7 +1659,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if not decode_req.waiting_for_input:
                 continue
 
-            if shares is not None and self._held_at_share(decode_req, shares, skipped):
+            if shares.stalled and self._held_at_share(decode_req, shares, skipped, now):
                 continue
 
             if self.req_to_metadata_buffer_idx_allocator.available_size() <= 0:
@@ -2237,79 +2256,75 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         prompt's KV and the decode headroom reserved for it."""
         return len(req.origin_input_ids) + self.num_reserved_decode_tokens
 
-    def _prefill_shares(self) -> Optional[_PrefillShares]:
-        """This cycle's _PrefillShares, or None while one prefill alone sends
-        this decode requests (0.5.23's admission)."""
-        counts = self._recent_prefill_counts
-        if counts is None or len(counts) < 2:
-            return None
-        held: Dict[str, List[int]] = {}
-        ended = [entry[0] for entry in self.transfer_queue._deferred_releases]
-        for decode_req in (*self.transfer_queue.queue, *ended):
-            if decode_req.host_staged or _is_fake_transfer(decode_req.req):
-                continue
-            entry = held.setdefault(_bootstrap_addr(decode_req.req), [0, 0])
-            entry[0] += self._share_tokens(decode_req.req)
-            entry[1] += 1
+    def _prefill_shares(self) -> _PrefillShares:
+        transfer_queue = self.transfer_queue
+        held: Dict = {}
+        ended = [entry[0] for entry in transfer_queue._deferred_releases]
+        for in_transfer, decode_reqs in ((1, transfer_queue.queue), (0, ended)):
+            for decode_req in decode_reqs:
+                if decode_req.host_staged or _is_fake_transfer(decode_req.req):
+                    continue
+                prefill = DecodeTransferQueue._prefill_of(decode_req)
+                entry = held.setdefault(prefill, [0, 0, 0, decode_req.served_before])
+                entry[0] += self._share_tokens(decode_req.req)
+                entry[1] += 1
+                entry[2] += in_transfer
+                entry[3] = min(entry[3], decode_req.served_before)
+        if self._over_share is None:
+            self._over_share = {}
+        served = transfer_queue._served or {}
+        # Prefills coming and going leave nothing behind.
+        for counts in (self._over_share, served):
+            for prefill in counts.keys() - held.keys():
+                del counts[prefill]
         return _PrefillShares(
             held,
-            len(counts.keys() | held.keys()),
+            served,
+            self._over_share,
             self.token_to_kv_pool_allocator.size,
             self.req_to_metadata_buffer_idx_allocator.size,
         )
 
     def _held_at_share(
-        self, decode_req: DecodeRequest, shares: _PrefillShares, skipped: Set[str]
+        self,
+        decode_req: DecodeRequest,
+        shares: _PrefillShares,
+        skipped: Set,
+        now: float,
     ) -> bool:
-        """Skip this request: its prefill would hold more than its share, or
-        an earlier request of that prefill was skipped this cycle (FIFO within
-        a prefill). One held so for the waiting timeout ends, as 0.5.23 ends a
-        request whose KV does not come, with an error naming its prefill."""
-        if _is_fake_transfer(decode_req.req):
-            return False
-        bootstrap_addr = _bootstrap_addr(decode_req.req)
-        if bootstrap_addr not in skipped and not shares.over(
-            bootstrap_addr, self._share_tokens(decode_req.req)
+        """Its prefill is stalled at its share, or skipped an earlier request
+        (FIFO). Held for the waiting timeout, it ends naming its prefill."""
+        prefill = DecodeTransferQueue._prefill_of(decode_req)
+        if prefill not in skipped and not shares.over(
+            prefill, self._share_tokens(decode_req.req)
         ):
             decode_req.held_since = None
             return False
-        skipped.add(bootstrap_addr)
-        now = time.monotonic()
+        skipped.add(prefill)
         if decode_req.held_since is None:
             decode_req.held_since = now
-            return True
-        waited = now - decode_req.held_since
-        if waited >= envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get():
+        elif now - decode_req.held_since >= self.kv_manager.waiting_timeout:
             # Ends on every rank at the next poll, which all ranks reduce.
             decode_req.kv_receiver.abort()
             self.kv_manager.record_failure(
                 decode_req.req.bootstrap_room,
-                f"Prefill {bootstrap_addr} held its share of this decode's KV "
-                f"({shares.tokens} tokens) for {waited:.0f} s without its "
-                f"transfers ending (SGLANG_DISAGGREGATION_WAITING_TIMEOUT): this "
-                f"request ends so that it can be retried on another prefill.",
+                f"Prefill {prefill[0]} (dp rank {prefill[1]}) has served none of "
+                f"the requests this decode sent it since the oldest one, and holds "
+                f"its share of this decode's KV ({shares.tokens} tokens): this "
+                f"request waited {now - decode_req.held_since:.0f} s for it "
+                f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT) and ends so that it can "
+                f"be retried on another prefill.",
             )
         return True
 
-    def _note_admitted(
-        self, decode_req: DecodeRequest, shares: Optional[_PrefillShares]
-    ) -> None:
+    def _note_admitted(self, decode_req: DecodeRequest, shares: _PrefillShares):
         if _is_fake_transfer(decode_req.req):
             return
-        bootstrap_addr = _bootstrap_addr(decode_req.req)
-        if shares is not None:
-            shares.hold(bootstrap_addr, self._share_tokens(decode_req.req))
-        if self._recent_prefills is None:
-            self._recent_prefills = deque()
-            self._recent_prefill_counts = {}
-        recent, counts = self._recent_prefills, self._recent_prefill_counts
-        recent.append(bootstrap_addr)
-        counts[bootstrap_addr] = counts.get(bootstrap_addr, 0) + 1
-        if len(recent) > PREFILL_SHARE_WINDOW:
-            oldest = recent.popleft()
-            counts[oldest] -= 1
-            if not counts[oldest]:
-                del counts[oldest]
+        prefill = DecodeTransferQueue._prefill_of(decode_req)
+        decode_req.served_before = shares.served.get(prefill, 0)
+        shares.hold(
+            prefill, self._share_tokens(decode_req.req), decode_req.served_before
+        )
 
     def _active_req_count(self, extra_reserved_reqs: int = 0) -> int:
         return (
@@ -2802,9 +2817,8 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
     """
 
     enable_host_receive: bool = False
-    # Made on first use: requests that ended while their prefill may still
-    # write into their pages, by id (see _may_still_write), and how many of
-    # this decode's transfers each prefill (dp rank) has served.
+    # Made on first use: fences by request id (_may_still_write), and the
+    # transfers each prefill (address, dp rank) served to this decode.
     _fences: Optional[Dict[int, list]] = None
     _served: Optional[Dict[Tuple[str, Any], int]] = None
 
@@ -3170,8 +3184,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                     self.enable_deferred_kv_release
                     and decode_req.kv_receiver.kv_mgr.enable_deferred_decode_kv_release
                 )
-                # With deferred release off too: the prefill may still write
-                # into these pages, and nothing acknowledges when it stops.
+                # With deferred release off too: the prefill may still write.
                 fenced = deferrable or not _is_fake_transfer(decode_req.req)
                 if fenced and not decode_req.kv_receiver.abort_notified:
                     # A failure decode did not initiate (prefill fault, transport
@@ -3321,30 +3334,27 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         self._served[key] = self._served.get(key, 0) + 1
 
     def _fence(self, decode_req: DecodeRequest) -> None:
-        """A request ended while its prefill may still write into its pages:
-        remember that prefill (its info, replaced when the heartbeat fails it)
-        and how many transfers it had served (see _may_still_write)."""
+        """Its prefill may still write into its pages: note the prefill's info
+        (replaced if the heartbeat fails it) and its transfers served."""
         if _is_fake_transfer(decode_req.req):
             return
         receiver = decode_req.kv_receiver
         info = receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr)
-        if info is None:
+        if not isinstance(info, PrefillServerInfo):
             return  # failed already: it writes no more
         if self._fences is None:
             self._fences = {}
         served = (self._served or {}).get(self._prefill_of(decode_req), 0)
-        self._fences[id(decode_req)] = [info, served, False]
+        self._fences[id(decode_req)] = [info, served, None]
 
-    def _may_still_write(self, decode_req: DecodeRequest) -> bool:
-        """Whether the prefill of a fenced request may still write into its
-        pages, past 0.5.23's release timeout: it has not acknowledged the
+    def _may_still_write(self, decode_req: DecodeRequest, now: float) -> bool:
+        """Past 0.5.23's release timeout: its prefill has not acknowledged the
         abort, nor been declared failed, nor served another of this decode's
-        transfers since (it then read the ABORT sent before that one's KV
-        indices). A prefill hung for good holds them, inside its share."""
+        transfers since (it then read the ABORT sent before that one's KV)."""
         fence = self._fences.get(id(decode_req)) if self._fences else None
         if fence is None:
             return False
-        info, served, logged = fence
+        info, served, resend_at = fence
         receiver = decode_req.kv_receiver
         key = self._prefill_of(decode_req)
         if (
@@ -3352,8 +3362,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
             or (self._served or {}).get(key, 0) != served
         ):
             return False
-        if not logged:
-            fence[2] = True
+        if resend_at is None:
             logger.warning(
                 f"Holding the KV of room {decode_req.req.bootstrap_room} past the "
                 f"deferred release timeout: prefill {receiver.bootstrap_addr} has "
@@ -3361,6 +3370,10 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                 f"released once that prefill acknowledges, serves another transfer "
                 f"to this decode, or is declared failed."
             )
+        if resend_at is None or now >= resend_at:
+            # A prefill that missed the ABORT (hung, restarted) acks this one.
+            fence[2] = now + self.deferred_kv_release_timeout
+            receiver._send_abort_notification(force_arm=True)
         return True
 
     def has_pending_deferred_releases(self) -> bool:
@@ -3395,7 +3408,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                     decode_req.req.bootstrap_room, required_acks
                 )
                 is_ready = is_drained or (
-                    now >= deadline and not self._may_still_write(decode_req)
+                    now >= deadline and not self._may_still_write(decode_req, now)
                 )
             drained.append(is_drained)
             ready.append(is_ready)

@@ -27,7 +27,7 @@ from unittest import mock
 
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServerInfo
 from sglang.srt.disaggregation.decode import (
     DecodePreallocQueue,
     DecodeRequest,
@@ -66,7 +66,15 @@ class Prefill:
         self.addr = addr
         self.transfer_s = transfer_s
         self.acks = acks
-        self.info = SimpleNamespace(dp_size=1, addr=addr)
+        self.info = PrefillServerInfo(
+            attn_tp_size=1,
+            attn_cp_size=1,
+            dp_size=1,
+            pp_size=1,
+            page_size=1,
+            kv_cache_dtype=None,
+            follow_bootstrap_room=False,
+        )
 
     @property
     def stuck(self) -> bool:
@@ -83,6 +91,8 @@ class World:
         # room -> when the prefill got its metadata (the first rank's send).
         self.metadata_at: Dict[int, float] = {}
         self.aborted: Dict[int, float] = {}
+        # Rooms whose ABORT the prefill read: sent while it was not frozen.
+        self.heard = set()
 
     def arrived(self, room: int, prefill: Prefill) -> bool:
         sent = self.metadata_at.get(room)
@@ -90,8 +100,13 @@ class World:
             return False
         return self.now >= sent + prefill.transfer_s
 
+    def abort_sent(self, room: int, prefill: Prefill) -> None:
+        self.aborted.setdefault(room, self.now)
+        if not prefill.stuck:
+            self.heard.add(room)
+
     def acked(self, room: int, prefill: Prefill) -> bool:
-        return prefill.acks and not prefill.stuck and room in self.aborted
+        return prefill.acks and not prefill.stuck and room in self.heard
 
 
 class FakeReceiver:
@@ -151,7 +166,10 @@ class FakeReceiver:
         if not self.abort_notified:
             self.abort_notified = True
             if self.sent_metadata:
-                self.world.aborted.setdefault(self.bootstrap_room, self.world.now)
+                self._send_abort_notification(force_arm=force_arm)
+
+    def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+        self.world.abort_sent(self.bootstrap_room, self.prefill)
 
     def failure_exception(self):
         self.conclude_state = KVPoll.Failed
@@ -463,9 +481,9 @@ class Collectives:
             self.slots[rank] = list(values)
         self.barrier.wait()
         lists = [self.slots[r] for r in range(self.ranks)]
-        assert all(len(x) == len(values) for x in lists), (
-            f"ranks reduce lists of different lengths: {[len(x) for x in lists]}"
-        )
+        assert all(
+            len(x) == len(values) for x in lists
+        ), f"ranks reduce lists of different lengths: {[len(x) for x in lists]}"
         out = [(max if op_max else min)(column) for column in zip(*lists)]
         self.barrier.wait()
         if rank == 0:

@@ -11,6 +11,7 @@ no sleeps, no wall-clock asserts; ranks run in lockstep through a barrier.
 import inspect
 import random
 import unittest
+from contextlib import ExitStack, nullcontext
 from types import SimpleNamespace
 from unittest import mock
 
@@ -18,7 +19,11 @@ from decode_sim import Collectives, Prefill, Rank, World, patched, rooms, run_ra
 
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.decode import DecodeTransferQueue
+from sglang.srt.disaggregation.decode import (
+    DecodePreallocQueue,
+    DecodeRequest,
+    DecodeTransferQueue,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -88,7 +93,7 @@ class TestStuckForGood(SimTestCase):
             self.healthy_rooms[self.add(HEALTHY)] = t
 
     def test_ten_minutes_stuck_hold_at_most_its_share(self):
-        share = self.TOKENS // 2
+        share = self.TOKENS // 2 + 464  # and one request (_PrefillShares)
         most = 0
 
         def every(t):
@@ -120,9 +125,7 @@ class TestStuckForGood(SimTestCase):
         self.assertEqual(set(self.rank.waiting(STUCK)), set())
         for room, t in added.items():
             self.assertIn(room, self.rank.ended, room)
-        held_at_share = [
-            msg for room, msg in self.rank.ended.items() if room in added
-        ]
+        held_at_share = [msg for room, msg in self.rank.ended.items() if room in added]
         self.assertTrue(any(STUCK in msg for msg in held_at_share), held_at_share)
 
     def test_a_prefill_restarted_at_the_same_address_starts_clean(self):
@@ -188,9 +191,7 @@ class TestLargerThanAShare(SimTestCase):
         self.run_for(25)
         self.assertIn(big, self.rank.served)
         self.assertIn(later, self.world.metadata_at)
-        self.assertLessEqual(
-            self.world.metadata_at[big], self.world.metadata_at[later]
-        )
+        self.assertLessEqual(self.world.metadata_at[big], self.world.metadata_at[later])
 
 
 class TestPriority(SimTestCase):
@@ -360,6 +361,203 @@ class TestFencedWhileItMayWrite(SimTestCase):
                 self.assertEqual(rank.held_by(STUCK), 0)
 
 
+def as_in_0_5_23():
+    """The patch's admission and fences off: what 0.5.23 does, for a test
+    to compare with on the same scenario."""
+    stack = ExitStack()
+    stack.enter_context(
+        mock.patch.object(DecodePreallocQueue, "_held_at_share", lambda q, *args: False)
+    )
+    stack.enter_context(
+        mock.patch.object(DecodeTransferQueue, "_fence", lambda q, r: None)
+    )
+    return stack
+
+
+class TestStuckWhileOthersAreBusy(SimTestCase):
+    """Requirement B past any window of admissions: the healthy prefill
+    admitting thousands of requests does not lift the stuck one's cap."""
+
+    def test_stuck_holds_its_share_after_thousands_of_healthy_admissions(self):
+        tokens = 8192
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+            tokens=tokens,
+            slots=64,
+            waiting_timeout=300.0,
+        )
+        most = 0
+
+        def every(t):
+            nonlocal most
+            self.add(HEALTHY, prompt=100)  # 4 a second
+            if abs(t - round(t)) < 1e-9:
+                self.add(STUCK)
+            most = max(most, rank.held_by(STUCK))
+
+        self.run_for(420, every)
+        self.assertGreater(len(rank.served), 1500)
+        self.assertLessEqual(most, tokens // 2 + 464)
+
+
+class TestNeverLaterThan0523(SimTestCase):
+    """Requirement A: a healthy prefill's requests are served whenever 0.5.23
+    serves them, and at most one of its transfers later."""
+
+    def compare(self, prefills, scenario, seconds, **kwargs):
+        outcomes = []
+        for stock in (True, False):
+            with ExitStack() as stack:
+                if stock:
+                    stack.enter_context(as_in_0_5_23())
+                rank = self.sim([Prefill(*p) for p in prefills], **kwargs)
+                added = []  # (room, when), in order: the same in both runs
+
+                def every(t):
+                    for addr, prompt in scenario(t):
+                        added.append((self.add(addr, prompt), t))
+
+                self.run_for(seconds, every)
+                served = {
+                    i: rank.served[room] - t
+                    for i, (room, t) in enumerate(added)
+                    if room in rank.served
+                }
+                ended = {i for i, (room, _) in enumerate(added) if room in rank.ended}
+                outcomes.append((served, ended))
+                self.doCleanups()
+        (stock_served, stock_ended), (served, ended) = outcomes
+        return stock_served, served, ended
+
+    def assert_no_later(self, stock_served, served, ended, transfer_s):
+        self.assertGreater(len(stock_served), 0)
+        self.assertEqual(sorted(r for r in stock_served if r in ended), [])
+        self.assertEqual(sorted(r for r in stock_served if r not in served), [])
+        late = {
+            r: (stock_served[r], served[r])
+            for r in stock_served
+            if served[r] > stock_served[r] + transfer_s + 2 * DT
+        }
+        self.assertEqual(late, {})
+
+    def test_a_burst_to_one_prefill_while_the_others_are_idle(self):
+        others = [(f"10.0.1.{i}:8998", 0.5) for i in range(7)]
+
+        def scenario(t):
+            if t == DT:  # each of the others served once
+                return [(addr, 400) for addr, _ in others]
+            if t == 5.0:
+                return [(HEALTHY, 1000)] * 48
+            return []
+
+        stock, patched_, ended = self.compare(
+            [(HEALTHY, 0.5), *others],
+            scenario,
+            10,
+            tokens=65536,
+            slots=256,
+            waiting_timeout=300.0,
+        )
+        self.assert_no_later(stock, patched_, ended, 0.5)
+
+    def test_a_slow_prefill_while_the_other_is_nearly_idle(self):
+        def scenario(t):
+            reqs = []
+            if abs(t - round(t)) < 1e-9 and t <= 200:
+                reqs.append((STUCK, 1000))
+            if abs(t % 30) < 1e-9:
+                reqs.append((HEALTHY, 400))
+            return reqs
+
+        stock, patched_, ended = self.compare(
+            [(HEALTHY, 0.5), (STUCK, 40.0)],
+            scenario,
+            260,
+            tokens=65536,
+            slots=256,
+            waiting_timeout=300.0,
+        )
+        self.assert_no_later(stock, patched_, ended, 40.0)
+
+
+class TestFenceNeverStarves(SimTestCase):
+    """A healthy prefill with a request fenced (no ACK: deferred release off,
+    or an older prefill) still gets its next requests, however large; once
+    one is served, the fence ends."""
+
+    def test_a_large_request_after_a_client_abort(self):
+        for deferred in (True, False):
+            with self.subTest(deferred_release=deferred):
+                rank = self.sim(
+                    [Prefill(HEALTHY, 0.5), Prefill(STUCK, 2.0, acks=False)],
+                    tokens=16384,
+                    slots=64,
+                    waiting_timeout=300.0,
+                    deferred_release=deferred,
+                )
+                self.run_for(5, lambda t: self.add(HEALTHY, prompt=100))
+                aborted = self.add(STUCK)
+                self.run_for(1)
+                rank.client_abort(aborted)
+                self.run_for(1)
+                big = self.add(STUCK, prompt=7800)
+                small = self.add(STUCK, prompt=100)
+                self.run_for(10, lambda t: self.add(HEALTHY, prompt=100))
+                self.assertIn(big, rank.served)
+                self.assertIn(small, rank.served)
+                self.run_for(20)  # and 0.5.23's release timeout
+                self.assertEqual(rank.held_by(STUCK), 0)
+                self.doCleanups()
+
+    def test_a_prefill_that_recovers_is_served_again(self):
+        # Frozen whole for 120 s (no ACK meanwhile), then 0.5.23's prefill:
+        # it acknowledges the aborts it missed once its transfers drained.
+        for deferred in (True, False):
+            with self.subTest(deferred_release=deferred):
+                rank = self.sim(
+                    [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=True)],
+                    tokens=8192,
+                    slots=64,
+                    waiting_timeout=30.0,
+                    deferred_release=deferred,
+                )
+                stuck = self.world.prefills[STUCK]
+                after = []
+
+                def every(t):
+                    if abs(t - round(t)) < 1e-9:
+                        self.add(HEALTHY)
+                        room = self.add(STUCK)
+                        if t > 125:
+                            after.append(room)
+
+                self.run_for(120, every)
+                stuck.transfer_s = 0.5  # recovers
+                self.run_for(60, every)
+                sent = after[:-5]
+                self.assertEqual([r for r in sent if r not in rank.served], [])
+                self.doCleanups()
+
+
+class TestPrefillsComingAndGoing(SimTestCase):
+    """More prefills than any limit, each sending a few requests and then
+    none: what the admission keeps per prefill ends with them."""
+
+    def test_nothing_is_left_behind(self):
+        addrs = [f"10.0.2.{i}:8998" for i in range(200)]
+        rank = self.sim(
+            [Prefill(addr, 0.5) for addr in addrs],
+            tokens=65536,
+            slots=256,
+            waiting_timeout=30.0,
+        )
+        sent = [self.add(addr) for addr in addrs for _ in range(2)]
+        self.run_for(5)
+        self.assertEqual([r for r in sent if r not in rank.served], [])
+        self.assertEqual(rank.transfer._served, {})
+        self.assertEqual(rank.prealloc._over_share, {})
+
+
 class TestUpstreamShapes(CustomTestCase):
     """The transfer queue's deferred releases on upstream's minimal fakes:
     a request that only has what 0.5.23 reads of it is released at the
@@ -387,6 +585,95 @@ class TestUpstreamShapes(CustomTestCase):
         ):
             queue.resolve_deferred_releases()
         self.assertEqual(released, [decode_req])
+
+    def test_a_mock_receiver_is_released_at_the_timeout(self):
+        """Upstream builds requests of MagicMocks: a fence must not hold one
+        forever because a mock's table lookup returns the same mock."""
+        released = []
+        queue = DecodeTransferQueue.__new__(DecodeTransferQueue)
+        queue.queue, queue.gloo_group, queue.tp_rank = [], None, 0
+        queue.scheduler = mock.MagicMock(
+            enable_decode_hicache=False, enable_hisparse=False
+        )
+        queue.scheduler.metrics_reporter.enable_metrics = False
+        queue.enable_staging = queue.enable_host_receive = False
+        queue.enable_deferred_kv_release = True
+        queue.deferred_kv_release_timeout = 30.0
+        queue._deferred_releases = []
+        queue.metadata_buffers = mock.MagicMock()
+        queue.req_to_metadata_buffer_idx_allocator = mock.MagicMock()
+        queue.tree_cache = None
+        queue._release_request = released.append
+        queue._do_release = lambda decode_req, idx: released.append(decode_req)
+        queue._clean_hicache_prefetch_resources = lambda decode_req: None
+        receiver = mock.MagicMock()
+        receiver.abort_notified = True
+        receiver.bootstrap_infos = [{}]
+        receiver.kv_mgr.enable_deferred_decode_kv_release = True
+        receiver.kv_mgr.is_abort_release_safe.return_value = False
+        receiver.failure_exception.side_effect = RuntimeError("failed")
+        decode_req = DecodeRequest(
+            req=mock.MagicMock(), kv_receiver=receiver, metadata_buffer_index=3
+        )
+        queue.queue = [decode_req]
+        now = [100.0]
+        clock = SimpleNamespace(monotonic=lambda: now[0], time=lambda: now[0])
+        with mock.patch.object(decode_mod, "time", clock), mock.patch.object(
+            decode_mod, "poll_and_all_reduce", lambda p, g, **k: [KVPoll.Failed]
+        ), mock.patch.object(
+            decode_mod, "all_reduce_flags", lambda flags, group, op: flags
+        ), mock.patch.object(
+            decode_mod, "prepare_abort", lambda *a, **k: None
+        ):
+            queue.pop_transferred()
+            self.assertEqual(released, [])
+            now[0] += 31.0
+            queue.resolve_deferred_releases()
+        self.assertEqual(released, [decode_req])
+
+
+class TestDeferredReleaseOffAsksForTheAck(CustomTestCase):
+    """With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0 the decode
+    still fences the pages of a request that failed after its metadata went
+    out (requirement C), so it asks the prefill to acknowledge the abort once
+    its transfer drained, and takes that ACK: without it, a prefill that hung
+    and recovered could never be sent a request again."""
+
+    def test_the_abort_asks_and_the_ack_is_taken(self):
+        from sglang.srt.disaggregation.common.conn import (
+            AbortAck,
+            CommonKVManager,
+            CommonKVReceiver,
+        )
+
+        acks = []
+        kv_mgr = SimpleNamespace(
+            enable_deferred_decode_kv_release=False,
+            register_deferred_abort_room=lambda room: 7,
+            note_abort_ack=lambda room, rank, generation: acks.append(
+                (room, rank, generation)
+            ),
+            local_ip="10.0.0.9",
+            rank_port=5555,
+        )
+        sent = []
+        socket = SimpleNamespace(
+            send_multipart=lambda frames, flags: sent.append(frames)
+        )
+        receiver = CommonKVReceiver.__new__(CommonKVReceiver)
+        receiver.kv_mgr = kv_mgr
+        receiver.bootstrap_room = 42
+        receiver.init_time = 1.0  # its metadata went out
+        receiver._abort_generation = None
+        receiver.bootstrap_infos = [{"rank_ip": "10.0.0.2", "rank_port": 1}]
+        receiver._connect_to_bootstrap_server = lambda info: (socket, nullcontext())
+        receiver._send_abort_notification()
+        self.assertEqual(sent[0][-1], b"7")  # the generation an ACK must carry
+        handled = CommonKVManager.handle_abort_ack_message(
+            kv_mgr, AbortAck(room=42, prefill_rank=0, generation=7).to_zmq()
+        )
+        self.assertTrue(handled)
+        self.assertEqual(acks, [(42, 0, 7)])
 
 
 class TestNoNewCollective(SimTestCase):

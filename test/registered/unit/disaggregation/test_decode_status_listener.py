@@ -446,11 +446,30 @@ class TestBadMessageLogging(CustomTestCase):
                     clock.now += mgr.BAD_DECODE_MSG_LOG_INTERVAL_S
                     mgr.handle_decode_message(list(unknown), handlers)
                 self.assertEqual(mgr._bad_decode_msgs, 6)
-                first, second = (r.getMessage() for r in logs.records)
+                # The listener's own report; parse_kv_status_message also logs
+                # each malformed untagged (Mooncake) message, as 0.5.23 did.
+                first, second = (
+                    r.getMessage()
+                    for r in logs.records
+                    if "decode control message" in r.getMessage()
+                )
                 self.assertIn("tag b'NOT_A_TAG', 2 frames, 18 bytes", first)
                 self.assertIn("1 bad message(s) so far", first)
                 self.assertIn("6 bad message(s) so far", second)
                 self.assertNotIn("PAYLOAD", first + second)
+
+    def test_a_malformed_status_message_is_logged_as_in_0_5_23(self):
+        mgr = make_manager("mooncake")  # untagged: any frames may be a status
+        with self.assertLogs(CONN_LOGGER, "WARNING") as logs:
+            self.assertIsNone(mgr.parse_kv_status_message([b"7", b"4"]))
+            self.assertIsNone(mgr.parse_kv_status_message([b"7", b"x", b"3"]))
+        self.assertEqual(
+            [r.getMessage() for r in logs.records],
+            [
+                "Dropping malformed prefill status message with 2 frames",
+                "Dropping unparsable prefill status message",
+            ],
+        )
 
 
 # Tags of the other control messages on these sockets (ABORT goes to prefill).

@@ -645,6 +645,22 @@ class TestBackgroundRouteSetup(_Base):
         self.assertNotIn(self.key, self.mgr.connection_pool)
         self.assert_failed_with(receiver, "Lost connection with prefill instance")
 
+    def test_a_failure_during_the_setup_is_reported_at_once(self):
+        # The heartbeat fails the prefill while its lookups hang: poll() says
+        # so now, not once the setup ends or outlives its bound.
+        route = self.patch_route(BlockingRoute(block=True))
+        receiver = self.receiver(room=1)
+        receiver.init(0)
+        self.assertTrue(route.entered.wait(_WAIT_S))
+        self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
+
+        self.mgr._handle_node_failure(ADDR)
+
+        self.assert_failed_with(receiver, "Lost connection with prefill instance")
+        route.release.set()
+        drain(self.mgr)
+        self.assertEqual(receiver.poll(), KVPoll.Failed)
+
     def test_an_unexpected_error_fails_the_requests_not_the_decode(self):
         def broken(receiver, *args):
             raise KeyError("rank_ip")

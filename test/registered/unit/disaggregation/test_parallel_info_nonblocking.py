@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import MethodType
 from unittest import mock
 
+from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.common import conn as conn_mod
 from sglang.srt.disaggregation.common.conn import (
     BOOTSTRAP_QUERY_TIMEOUT_S,
@@ -528,6 +529,28 @@ class TestEnsurePrefillInfo(CustomTestCase):
         kv_manager.abandon_parallel_info_fetch.assert_called_once_with(ADDR)
         self.assertEqual(kv_manager.try_ensure_parallel_info.call_count, 2)
         self.assertEqual(queue._ensure_retry_count[ADDR], 2)
+
+    def test_a_fetch_that_outlived_its_requests_still_has_its_bound(self):
+        # Their bookkeeping went with them (_drop_idle_ensure_state) while the
+        # fetch trickles on: a later request must not wait on it forever.
+        kv_manager = make_kv_manager(in_flight=True)
+        queue = make_spec_queue(kv_manager, max_retries=1)
+        reqs = [make_req()]
+        clock = mock.Mock()
+        clock.monotonic.return_value = 1000.0
+        with mock.patch.object(decode_mod, "time", clock):
+            for _ in range(3 * BOOTSTRAP_QUERY_TIMEOUT_S):
+                queue._ensure_prefill_info({ADDR: reqs})
+                if reqs[0].kv_receiver.abort.called:
+                    break
+                clock.monotonic.return_value += 1.0
+
+        # Given up after the bound, then the one allowed attempt, given up too.
+        self.assertEqual(kv_manager.abandon_parallel_info_fetch.call_count, 2)
+        reqs[0].kv_receiver.abort.assert_called_once()
+        self.assertEqual(
+            clock.monotonic.return_value, 1000.0 + 2 * BOOTSTRAP_QUERY_TIMEOUT_S
+        )
 
 
 if __name__ == "__main__":

@@ -406,6 +406,46 @@ class TestDpRankRetryBudget(_Base):
         self.queue._resolve_pending_reqs()
         decode_req.kv_receiver.init.assert_called_once_with(93 % 8)
 
+    def test_a_hung_query_is_given_up_after_its_first_rooms_request_ended(self):
+        # The query's age is kept with each of its rooms: the request of the
+        # first may end (an abort) while it hangs, the others must not wait.
+        self.server.hold.clear()
+        self.pend_abortable(94)
+        decode_req = self.pend_abortable(95)
+        self.queue.prefetch_prefill_dp_rank_queries()
+        self.assertTrue(self.server.held.wait(_WAIT_S))
+        del self.queue.pending_reqs[0]  # 94's client went away
+        self.queue._resolve_pending_reqs()
+
+        self.clock.now += conn_mod.BOOTSTRAP_QUERY_TIMEOUT_S
+        with self.assertLogs(decode_mod.logger, "WARNING") as logs:
+            self.queue._resolve_pending_reqs()
+        self.assertIn("has not ended", logs.output[0])
+        self.server.hold.set()
+        self.drain()
+        self.queue._resolve_pending_reqs()
+        self.assertEqual(self.server.bodies, [[94, 95], [95]])
+        decode_req.kv_receiver.init.assert_called_once_with(95 % 8)
+
+    def test_a_query_no_request_waits_for_does_not_hold_a_later_room(self):
+        self.server.hold.clear()
+        self.pend_abortable(96)
+        self.pend_abortable(98)
+        self.queue.prefetch_prefill_dp_rank_queries()
+        self.assertTrue(self.server.held.wait(_WAIT_S))
+        # The clients of 96 and 98 go away and 97 comes: once their
+        # bookkeeping is dropped, the query is, without a timeout warning.
+        self.queue.pending_reqs.clear()
+        late = self.pend_abortable(97)
+        self.queue._resolve_pending_reqs()
+        with self.assertNoLogs(decode_mod.logger, "WARNING"):
+            self.queue._resolve_pending_reqs()
+        self.server.hold.set()
+        self.drain()
+        self.queue._resolve_pending_reqs()
+        self.assertEqual(self.server.bodies, [[96, 98], [97]])
+        late.kv_receiver.init.assert_called_once_with(97 % 8)
+
 
 class FakeResponse:
     def __init__(self, text):

@@ -44,6 +44,18 @@ class Hang:
         return value
 
 
+class SignallingCondition(threading.Condition):
+    """A prefill's wake-up condition that tells when a thread waits on it."""
+
+    def __init__(self, lock):
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()
+        return super().wait(timeout)
+
+
 class TestPrefillThreads(CustomTestCase):
     def setUp(self):
         super().setUp()
@@ -90,6 +102,22 @@ class TestPrefillThreads(CustomTestCase):
             [],
         )
         self.assertEqual(self.pool._tasks, {})
+
+    def test_two_calls_for_one_idle_thread_start_a_second_thread(self):
+        pool = _PrefillThreads(self.shared, idle_s=_WAIT_S)
+        self.addCleanup(pool.shutdown, wait=False, cancel_futures=True)
+        gate = threading.Event()
+        first = pool.submit(lambda addr: gate.wait(_WAIT_S), "a:1")
+        wake = pool._wake["a:1"] = SignallingCondition(pool._lock)
+        gate.set()
+        self.assertTrue(first.result(_WAIT_S))
+        self.assertTrue(wake.waiting.wait(_WAIT_S))  # its thread is idle
+
+        # The idle thread takes one; the other must not queue behind it.
+        pool.submit(self.hang, "a:1")
+        quick = pool.submit(lambda addr: addr, "a:1")
+        self.assertEqual(quick.result(_WAIT_S), "a:1")
+        self.assertTrue(self.hang.started.acquire(timeout=_WAIT_S))
 
     def test_shutdown_waits_on_no_prefill_and_cancels_what_is_queued(self):
         running = self.pool.submit(self.hang, "a:1")
@@ -163,6 +191,31 @@ class TestHeartbeatProbesEveryPrefillAtOnce(CustomTestCase):
         with mock.patch.object(conn_mod, "HEARTBEAT_PROBE_TIMEOUT_S", _WAIT_S):
             self.run_heartbeat(all_answered)
         self.assertEqual(sorted(answered[: self.PREFILLS]), sorted(self.addrs))
+
+    def test_a_probe_never_waits_behind_the_decodes_calls_to_its_prefill(self):
+        # A live prefill that is slow to answer the decode's own calls (route
+        # setups, dp-rank queries) has its threads busy and more calls queued:
+        # its /health probe is answered at once all the same.
+        addr = self.addrs[0]
+        hang = Hang()
+        self.addCleanup(hang.release.set)
+        for _ in range(PREFILL_THREADS + 6):
+            self.mgr._parallel_info_executor.submit(hang, addr)
+        for _ in range(PREFILL_THREADS):
+            self.assertTrue(hang.started.acquire(timeout=_WAIT_S))
+        self.probes(lambda url, **kwargs: SimpleNamespace(status_code=200))
+        answered = threading.Event()
+        self.mgr._on_heartbeat_success = lambda a: a == addr and answered.set()
+        self.mgr._handle_node_failure = mock.MagicMock()
+
+        with mock.patch.object(conn_mod, "HEARTBEAT_PROBE_TIMEOUT_S", _WAIT_S):
+            self.run_heartbeat(answered)
+
+        self.assertFalse(hang.release.is_set())
+        self.mgr._handle_node_failure.assert_not_called()
+        # Its own threads, and one for the probes.
+        threads = [t for t in threading.enumerate() if addr in t.name]
+        self.assertLessEqual(len(threads), PREFILL_THREADS + 1)
 
     def test_frozen_prefills_are_all_declared_failed_in_one_round(self):
         release = threading.Event()

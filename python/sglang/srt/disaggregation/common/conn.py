@@ -79,7 +79,8 @@ ABORT_ACK_TAG = b"ABORT_ACK"
 # total: a query still running this long (a peer that trickles) is given up,
 # and counted as a failed attempt.
 BOOTSTRAP_QUERY_TIMEOUT_S = 10
-# Threads each prefill may hold for the decode's calls to it (_PrefillThreads).
+# Threads each prefill may hold for the decode's calls to it (_PrefillThreads),
+# besides the one of its heartbeat probes: PREFILL_THREADS + 1 in all.
 PREFILL_THREADS = 2
 # A heartbeat probe (timeout=(2, 3)) not answered this long is a miss.
 HEARTBEAT_PROBE_TIMEOUT_S = 5
@@ -89,12 +90,13 @@ class _PrefillThreads:
     """The decode's threads for its calls to prefill servers, at most
     ``per_prefill`` for each prefill: a call runs on those of the prefill
     whose bootstrap_addr is its first argument (parallel info, dp ranks,
-    routes, heartbeat probes), so a prefill that hangs or trickles holds only
-    its own, however many do. Other calls (a PD-retract /generate) go to
-    ``shared``, 0.5.23's executor. Threads are daemons that end after
-    ``idle_s`` without work: a prefill that is gone keeps none, and a hung one
-    delays neither teardown nor exit. submit() and shutdown() are
-    ThreadPoolExecutor's."""
+    routes; the heartbeat probes on an instance of their own, one thread per
+    prefill), so a prefill that hangs or trickles holds only its own, however
+    many do: PREFILL_THREADS + 1 of the decode's threads at most. Other calls
+    (a PD-retract /generate) go to ``shared``, 0.5.23's executor. Threads are
+    daemons that end after ``idle_s`` without work: a prefill that is gone
+    keeps none, and a hung one delays neither teardown nor exit. submit() and
+    shutdown() are ThreadPoolExecutor's."""
 
     def __init__(self, shared, per_prefill: int = PREFILL_THREADS, idle_s=60.0):
         self._shared = shared
@@ -121,7 +123,12 @@ class _PrefillThreads:
                 self._threads[addr] = self._idle[addr] = 0
                 self._wake[addr] = threading.Condition(self._lock)
             self._tasks[addr].append((future, fn, args, kwargs))
-            if self._idle[addr] or self._threads[addr] >= self._per_prefill:
+            # An idle thread takes one queued call, and it is counted idle
+            # until it wakes: start another while more are queued than idle.
+            if (
+                len(self._tasks[addr]) <= self._idle[addr]
+                or self._threads[addr] >= self._per_prefill
+            ):
                 self._wake[addr].notify()
                 return future
             self._threads[addr] += 1
@@ -200,6 +207,11 @@ def _get_bootstrap_session(bootstrap_addr: str) -> requests.Session:
     return session
 
 
+# Destinations a _TransferScheduler remembers having contacted: past this, the
+# oldest gets a first contact (a probe) again on its next chunk.
+_MAX_CONTACTED_DESTINATIONS = 4096
+
+
 class _TransferScheduler:
     """The prefill's KV chunks, a FIFO per destination (the decode ranks a
     room goes to), served by the backend's transfer workers, whose number is
@@ -210,7 +222,7 @@ class _TransferScheduler:
     time, and a decode that stops answering holds one worker, with its rooms
     queued behind it; the other workers serve the other decodes.
     ``first_contact(destination)`` runs on the worker before a destination's
-    first chunk."""
+    first chunk, and again after ``forget`` of one of its members."""
 
     def __init__(self, first_contact: Optional[Callable[[tuple], None]] = None):
         self._first_contact = first_contact
@@ -219,7 +231,7 @@ class _TransferScheduler:
         self._chunks: Dict[tuple, deque] = {}
         # Destinations with chunks and no worker on them, oldest first.
         self._turns: deque = deque()
-        self._contacted: Set[tuple] = set()
+        self._contacted: Dict[tuple, None] = {}  # oldest first
         self._stopped = False
 
     def put(self, destination: tuple, chunk) -> None:
@@ -230,6 +242,13 @@ class _TransferScheduler:
                 self._turns.append(destination)
                 self._ready.notify()
             chunks.append(chunk)
+
+    def forget(self, member) -> None:
+        """The destinations with ``member`` (a decode that failed) get a first
+        contact again on their next chunk: it may have restarted."""
+        with self._lock:
+            for destination in [d for d in self._contacted if member in d]:
+                del self._contacted[destination]
 
     def worker_queue(self) -> "_WorkerQueue":
         """The queue one transfer worker runs on: transfer_worker(queue, ...)."""
@@ -272,7 +291,10 @@ class _WorkerQueue:
             destination = self._destination = scheduler._turns.popleft()
             chunk = scheduler._chunks[destination].popleft()
             first = destination not in scheduler._contacted
-            scheduler._contacted.add(destination)
+            if first:
+                scheduler._contacted[destination] = None
+                if len(scheduler._contacted) > _MAX_CONTACTED_DESTINATIONS:
+                    del scheduler._contacted[next(iter(scheduler._contacted))]
         if first and scheduler._first_contact is not None:
             scheduler._first_contact(destination)
         return chunk
@@ -694,15 +716,15 @@ class CommonKVManager(BaseKVManager):
             # current weights. Created lazily on first use so deployments that
             # never retract pay nothing.
             self._prefill_recompute_executor: Optional[
-                concurrent.futures.ThreadPoolExecutor
+                Union[concurrent.futures.ThreadPoolExecutor, _PrefillThreads]
             ] = None
             self._prefill_recompute_executor_lock = threading.Lock()
             self._prefill_recompute_sessions = threading.local()
             # The decode's calls to prefill servers (parallel info, dp ranks,
-            # routes, heartbeat probes) run here, never on the scheduler
-            # thread, each on its prefill's own threads: a prefill that hangs
-            # holds only those. The dp-rank queries already ran on the
-            # rebootstrap executor, so this is that executor too.
+            # routes) run here, never on the scheduler thread, each on its
+            # prefill's own threads: a prefill that hangs holds only those.
+            # The dp-rank queries already ran on the rebootstrap executor, so
+            # this is that executor too.
             workers = envs.SGLANG_DISAGGREGATION_THREAD_POOL_SIZE.get()
             self._parallel_info_executor = _PrefillThreads(
                 shared=concurrent.futures.ThreadPoolExecutor(
@@ -982,12 +1004,16 @@ class CommonKVManager(BaseKVManager):
                 return None
             msg = msg[1:]
         if len(msg) < 3:
+            logger.warning(
+                "Dropping malformed prefill status message with %d frames", len(msg)
+            )
             return None
         try:
             bootstrap_room = int(msg[0].decode("ascii"))
             status = int(msg[1].decode("ascii"))
             prefill_rank = int(msg[2].decode("ascii"))
         except (UnicodeDecodeError, ValueError):
+            logger.warning("Dropping unparsable prefill status message")
             return None
         failure_reason = (
             msg[3].decode("utf-8", errors="replace")
@@ -1301,8 +1327,7 @@ class CommonKVManager(BaseKVManager):
         """Consume an ABORT_ACK and record it for an armed decode room."""
         if not msg or msg[0] != ABORT_ACK_TAG:
             return False
-        if not self.enable_deferred_decode_kv_release:
-            return True
+        # With deferred release off too: decode.py fences pages until it.
         ack = AbortAck.from_zmq(msg)
         if ack is None:
             return True
@@ -1440,10 +1465,11 @@ class CommonKVManager(BaseKVManager):
 
     def _ensure_prefill_recompute_executor(
         self,
-    ) -> concurrent.futures.ThreadPoolExecutor:
-        """Lazily create the shared executor that drives PD-retract rebootstrap
-        ``/generate`` calls. One executor per (decode) kv manager, shared across
-        all receivers."""
+    ) -> Union[concurrent.futures.ThreadPoolExecutor, _PrefillThreads]:
+        """The shared executor that drives PD-retract rebootstrap ``/generate``
+        calls and the dp-rank queries: a decode's _parallel_info_executor (set
+        in __init__), else a ThreadPoolExecutor created on first use. One
+        executor per (decode) kv manager, shared across all receivers."""
         executor = self._prefill_recompute_executor
         if executor is not None:
             return executor
@@ -2425,14 +2451,20 @@ class CommonKVManager(BaseKVManager):
         def heartbeat_checker():
             # Each prefill is probed on its own threads, all at once, and one
             # not answered by HEARTBEAT_PROBE_TIMEOUT_S misses: a prefill that
-            # hangs delays no other's verdict, however many hang.
+            # hangs delays no other's verdict, however many hang. One thread
+            # per prefill, apart from _parallel_info_executor's: a probe never
+            # queues behind the decode's calls to a live prefill that is slow
+            # to answer them. (Probes all have an address: no shared thread.)
+            probe_threads = _PrefillThreads(
+                concurrent.futures.ThreadPoolExecutor(max_workers=1), per_prefill=1
+            )
             probes: Dict[str, concurrent.futures.Future] = {}
             while not self._heartbeat_shutdown.wait(self.heartbeat_interval):
                 with self.connection_lock:
                     addresses = list(self.prefill_info_table.keys())
                 for bootstrap_addr in addresses:
                     if bootstrap_addr not in probes:
-                        probes[bootstrap_addr] = self._parallel_info_executor.submit(
+                        probes[bootstrap_addr] = probe_threads.submit(
                             self._probe_prefill_health, bootstrap_addr
                         )
                 concurrent.futures.wait(
@@ -2462,6 +2494,7 @@ class CommonKVManager(BaseKVManager):
                         with self.session_pool_lock:
                             if bootstrap_addr in self.session_pool:
                                 del self.session_pool[bootstrap_addr]
+            probe_threads.shutdown(wait=False, cancel_futures=True)
 
         t = threading.Thread(
             target=heartbeat_checker,
@@ -3042,7 +3075,12 @@ class CommonKVReceiver(BaseKVReceiver):
     def _poll(self) -> KVPoll:
         if self.conclude_state is not None:
             return self.conclude_state
-        if self._route_setup is not None and not self._resume_init():
+        if (
+            self._route_setup is not None
+            # A failure meanwhile (the heartbeat's) is reported at once.
+            and self.kv_mgr.check_status(self.bootstrap_room) != KVPoll.Failed
+            and not self._resume_init()
+        ):
             return KVPoll.Bootstrapping
         status = self.kv_mgr.check_status(self.bootstrap_room)
         if status in (KVPoll.Success, KVPoll.Failed):
@@ -3511,9 +3549,8 @@ class CommonKVReceiver(BaseKVReceiver):
         # unarmed -- except on a partial publish, where init_time is still None
         # but earlier ranks already hold destinations; those callers defer and
         # pass force_arm.
-        if self.kv_mgr.enable_deferred_decode_kv_release and (
-            force_arm or self.init_time is not None
-        ):
+        # With deferred release off too: decode.py fences pages until the ACK.
+        if force_arm or self.init_time is not None:
             self._abort_generation = self.kv_mgr.register_deferred_abort_room(
                 self.bootstrap_room
             )

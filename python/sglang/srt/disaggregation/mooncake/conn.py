@@ -3137,10 +3137,13 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                     continue
             try:
                 rc = self.engine.send_probe(session_id)
-            except Exception as e:
+            except AttributeError as e:
                 # No probe in this engine: open the segment as 0.5.23 does.
-                logger.debug(f"send_probe({session_id}) raised: {e}")
+                logger.debug(f"send_probe({session_id}) unavailable: {e}")
                 continue
+            except Exception as e:
+                logger.warning(f"send_probe({session_id}) raised: {e}")
+                rc = -1  # a failed probe, as _send_probe counts it
             if rc != 0:
                 with self.session_lock:
                     self.session_failures[session_id] += 1
@@ -3158,6 +3161,10 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         self.failed_sessions.discard(session_id)
         self.session_failures.pop(session_id, None)
         self.failed_session_probes.pop(session_id, None)
+        if self._transfer_scheduler is not None:
+            # Back from a failure, maybe restarted: probe it before its next
+            # transfer (while failed, its transfers fail without one).
+            self._transfer_scheduler.forget(session_id)
 
     def _send_probe(self, session_id: str) -> int:
         try:

@@ -184,16 +184,29 @@ class _NixlPostError(RuntimeError):
     pass
 
 
+# A room failed at once, nothing posted, for its decode is stuck (see
+# NixlKVManager._stuck_decode): an expected failure, logged in one line.
+class _StuckDecodeError(RuntimeError):
+    pass
+
+
 # Once one handle of a batch reports ERR, its siblings settle only when NIXL
 # notices their peer is gone, which for UCX means waiting out peer keepalive.
 # This worker serves other rooms, so bound that wait.
 NIXL_ERR_SETTLE_TIMEOUT_S = 5.0
 NIXL_ERR_SETTLE_POLL_S = 0.001
-# A healthy batch none of whose handles settles for this long is given up: its
-# decode likely stopped answering (over TCP its handles run as long as it
-# does). Its room is left to the decode's waiting timeout, and that decode's
-# next rooms fail at once for as long, so that it holds no transfer worker.
+# A healthy batch none of whose handles settles for this long, plus the time
+# its bytes take at NIXL_MIN_TRANSFER_RATE_BYTES_S, is given up: its decode
+# likely stopped answering (over TCP its handles run as long as it does). Its
+# room is left to the decode's waiting timeout, and that decode's next rooms
+# fail at once for NIXL_NO_PROGRESS_TIMEOUT_S, so that it holds no worker.
 NIXL_NO_PROGRESS_TIMEOUT_S = 30.0
+# NIXL reports no byte progress, only settled handles, so a transfer that is
+# moving cannot be told from a stuck one before it ends. 1 MiB/s is well under
+# what even TCP at tens of MB/s, shared by all of a prefill's transfer workers,
+# gives one transfer: no real transfer is given up, and a stuck decode holds
+# one worker that long (about 17 min for 1 GiB) instead of forever.
+NIXL_MIN_TRANSFER_RATE_BYTES_S = 1 << 20
 
 
 def _resolve_ucx_device_list(ib_device: str, gpu_id: int) -> Optional[str]:
@@ -583,6 +596,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
     # Decode agent -> when a batch to it was given up without progress (see
     # NIXL_NO_PROGRESS_TIMEOUT_S); made on first use.
     _stuck_decodes: Optional[Dict[str, float]] = None
+    # Bytes of a KV page over all layers; CommonKVManager.__init__ sets it.
+    kv_item_lens_sum: int = 0
     # Newer NIXL prepares compressed (addr, len, dev_id, stride, count) runs
     # directly; cleared on the first TypeError to expand per block instead.
     _use_strided_descs: bool = True
@@ -1094,19 +1109,24 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         return handlers
 
     def teardown(self) -> None:
-        """Stop the decode-side threads (control listener, heartbeat checker).
+        """Stop the decode-side threads (heartbeat checker; control listener
+        if its recv polls) and the prefill's scheduled transfer workers.
 
         Not a full role-switch teardown, hence supports_role_switch stays False:
-        prefill workers, sockets and NIXL registrations are left in place.
+        sockets and NIXL registrations are left in place.
         """
         self._stopped = True
         if self._transfer_scheduler is not None:
             self._transfer_scheduler.shutdown()
         if self.disaggregation_mode == DisaggregationMode.DECODE:
-            self._stop_bootstrap_fetches()
-            self._heartbeat_shutdown.set()
-            for t in self._decode_threads:
-                t.join(timeout=3.0)
+            self._stop_bootstrap_fetches()  # wakes the heartbeat checker too
+            listener, heartbeat_checker = self._decode_threads
+            heartbeat_checker.join(timeout=3.0)
+            # The listener sees _stopped only if its recv polls (role switch,
+            # see _make_worker_recv): a blocking one is left, not waited for.
+            polls = self.server_args.enable_pd_role_switch
+            if polls and self.deferred_bootstrap is None:
+                listener.join(timeout=3.0)
 
     def _prefetch_staging_reqs(self, room: int):
         """Send STAGING_REQ for all chunks before the prefill forward starts.
@@ -1159,19 +1179,24 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         if state == "ERR":
             raise _NixlPostError(error_msg)
 
-    def _release_handles(self, handles: List[Any]) -> None:
-        """Release the handles of a batch that settled (0.5.23 kept them)."""
+    def _release_handles(self, handles: List[Any]) -> List[Any]:
+        """Release transfer handles (0.5.23 kept them); NIXL aborts one still
+        in progress where its backend can. Never waits: returns the handles
+        it could not release, for the caller to retry later."""
+        kept = []
         for handle in handles:
             try:
                 self.agent.release_xfer_handle(handle)
             except Exception as e:
+                kept.append(handle)
                 logger.debug(f"Failed to release a NIXL transfer handle: {e}")
+        return kept
 
     def _note_stuck_decode(self, transfer_infos) -> None:
-        if self._stuck_decodes is None:
-            self._stuck_decodes = {}
+        # Made here, atomically: workers that give up at once share one dict.
+        stuck = vars(self).setdefault("_stuck_decodes", {})
         for agent_name in transfer_infos:
-            self._stuck_decodes[agent_name] = time.monotonic()
+            stuck[agent_name] = time.monotonic()
 
     def _stuck_decode(self, transfer_infos) -> Optional[str]:
         """Why a room to these decodes fails at once: one left a batch
@@ -1179,21 +1204,26 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         for agent_name in transfer_infos if self._stuck_decodes else ():
             since = self._stuck_decodes.get(agent_name)
             if since is not None:
-                if time.monotonic() - since < NIXL_NO_PROGRESS_TIMEOUT_S:
+                age = time.monotonic() - since
+                if age < NIXL_NO_PROGRESS_TIMEOUT_S:
                     return (
-                        f"Decode {agent_name} left a KV transfer of this prefill "
-                        f"without progress for {NIXL_NO_PROGRESS_TIMEOUT_S:.0f} s; "
-                        f"its transfers fail at once for as long."
+                        f"decode {agent_name} left a KV transfer of this prefill "
+                        f"without progress {age:.0f} s ago, and its rooms fail at "
+                        f"once for {NIXL_NO_PROGRESS_TIMEOUT_S:.0f} s after that. "
+                        f"Check that decode instance."
                     )
-                del self._stuck_decodes[agent_name]
+                # Another worker may have seen it expire too.
+                self._stuck_decodes.pop(agent_name, None)
         return None
 
     def _await_handles(
-        self, handles: List[Any], *, failure_seen: bool
+        self, handles: List[Any], *, failure_seen: bool, nbytes: int = 0
     ) -> Tuple[bool, bool]:
         """Poll until every handle settled. Returns ``(settled, any_failed)``.
 
-        The wait is unbounded while every handle is still healthy, and bounded
+        While every handle is healthy, the wait ends only if none settles for
+        NIXL_NO_PROGRESS_TIMEOUT_S plus the time ``nbytes`` (at least what the
+        batch moves) take at NIXL_MIN_TRANSFER_RATE_BYTES_S. It is bounded
         to NIXL_ERR_SETTLE_TIMEOUT_S from the moment the batch is known broken.
         ``failure_seen`` arms that deadline up front, for a batch that raised
         before the barrier ran. A state that cannot be read counts as running,
@@ -1201,6 +1231,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         """
         deadline = time.time() + NIXL_ERR_SETTLE_TIMEOUT_S if failure_seen else None
         progress, progress_at = 0, time.monotonic()
+        bound = NIXL_NO_PROGRESS_TIMEOUT_S + nbytes / NIXL_MIN_TRANSFER_RATE_BYTES_S
         while True:
             all_settled = True
             any_failed = failure_seen
@@ -1222,7 +1253,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             if not any_failed:
                 if done > progress:
                     progress, progress_at = done, time.monotonic()
-                elif time.monotonic() - progress_at >= NIXL_NO_PROGRESS_TIMEOUT_S:
+                elif time.monotonic() - progress_at >= bound:
                     return False, True
                 time.sleep(0)
                 continue
@@ -1707,13 +1738,23 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         # see kv_buffer_tensors (set by ModelRunner after engine init).
         # Never cache on self -- multiple workers would race the ring.
         staging_strategy = None
+        # Handles of batches given up while NIXL could not abort them.
+        unreleased: List[Any] = []
 
         while True:
             kv_chunk: TransferKVChunk = queue.get()
+            if unreleased:
+                unreleased = self._release_handles(unreleased)
             if kv_chunk is None:
+                if unreleased:
+                    logger.warning(
+                        f"NIXL transfer worker stopped and left {len(unreleased)} "
+                        f"transfer handles it gave up, still in progress, unreleased."
+                    )
                 break  # teardown
             room = kv_chunk.room
             handles: List[Any] = []
+            nbytes = 0  # at least what the handles move (see _await_handles)
             settle_timed_out = False
             room_transfer_infos = None
             try:
@@ -1766,7 +1807,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
 
                 stuck = self._stuck_decode(room_transfer_infos)
                 if stuck is not None:
-                    raise RuntimeError(stuck)  # nothing posted: the decode is told
+                    raise _StuckDecodeError(stuck)  # nothing posted: decode is told
 
                 self.update_status(room, KVPoll.Transferring)
 
@@ -1821,6 +1862,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                                 )
 
                         src_prefill_kv_indices = kv_chunk.prefill_kv_indices
+                        nbytes += len(src_prefill_kv_indices) * self.kv_item_lens_sum
 
                         # Decide which kv send path to use:
                         #   1. Staging (heterogeneous TP, both sides have
@@ -1936,7 +1978,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                                 # staging buffer. Wait before reusing it and
                                 # before allowing decode to scatter this write.
                                 settled, failed = self._await_handles(
-                                    [kv_xfer_handle], failure_seen=False
+                                    [kv_xfer_handle], failure_seen=False, nbytes=nbytes
                                 )
                                 if not settled:
                                     settle_timed_out = True
@@ -1985,14 +2027,18 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                 # first ERR: a sibling still in PROC keeps writing into the
                 # decode's KV pages, and the failure path below tells the decode
                 # those pages are free.
-                settled, any_failed = self._await_handles(handles, failure_seen=False)
+                settled, any_failed = self._await_handles(
+                    handles, failure_seen=False, nbytes=nbytes
+                )
                 if not settled:
                     settle_timed_out = True
                     self._note_stuck_decode(room_transfer_infos)
                     raise RuntimeError(
                         f"NIXL transfer for room {room} left a handle running "
                         f"{NIXL_ERR_SETTLE_TIMEOUT_S}s after a peer handle failed, "
-                        f"or without progress for {NIXL_NO_PROGRESS_TIMEOUT_S:.0f}s"
+                        f"or without progress for {NIXL_NO_PROGRESS_TIMEOUT_S:.0f}s "
+                        f"plus {nbytes / NIXL_MIN_TRANSFER_RATE_BYTES_S:.0f}s for "
+                        f"its {nbytes} bytes"
                     )
                 self._release_handles(handles)
                 handles = []
@@ -2037,7 +2083,9 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             except Exception as e:
                 # Catch all exceptions to prevent silently killing this
                 # worker thread, but still propagate via failure_exception().
-                if isinstance(e, _NIXL_TRANSPORT_ERRORS) or isinstance(
+                if isinstance(e, _StuckDecodeError):
+                    logger.warning(f"NIXL transfer for room {room} failed at once: {e}")
+                elif isinstance(e, _NIXL_TRANSPORT_ERRORS) or isinstance(
                     e.__cause__, _NIXL_TRANSPORT_ERRORS
                 ):
                     logger.warning(f"NIXL transport error for room {room}: {e}")
@@ -2070,6 +2118,15 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                     if self.enable_deferred_decode_kv_release:
                         self._maybe_ack_drained_abort(room)
                 else:
+                    # Abort what NIXL can; the rest is released once it ends,
+                    # on this worker's next chunk, and never waited for.
+                    kept = self._release_handles(handles)
+                    if kept:
+                        logger.warning(
+                            f"NIXL could not abort {len(kept)} transfers of room "
+                            f"{room}; this worker releases them once they end."
+                        )
+                    unreleased += kept
                     # A handle can still write into the decode's KV pages, so
                     # leave the room to the decode's waiting timeout rather
                     # than telling it those pages are free.
