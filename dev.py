@@ -15,7 +15,7 @@
         The chaos soak: the demo's deployment under load for M minutes (10) while
         a seeded schedule freezes, kills and restarts, and slows its prefills;
         stock, then patched with the same schedule (tools/soak_pd.py).
-    python3 dev.py bench [--quick] [--only stall|fleet|admission|share|mirror]
+    python3 dev.py bench [--quick] [--only stall|fleet|admission|share|scale|mirror]
         The scheduler stall benchmark (P1-P8) and the fleet-scale benchmark
         (P9-P12, P15) on real PD over loopback, and the admission benchmark
         (P14: a stuck prefill, real servers), stock and patched.
@@ -627,11 +627,12 @@ def cmd_bench(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench-out")
     ap.add_argument(
         "--only",
-        choices=("stall", "fleet", "admission", "mirror", "share"),
+        choices=("stall", "fleet", "admission", "mirror", "share", "scale"),
         help="the stall bench (P1-P8), the fleet bench (P9-P12, P15), the "
         "admission bench (P14, real servers), the mirror bench (P16, sick "
-        "decodes on the prefill) or the share bench (P17, a prefill stuck for "
-        "good, simulated) alone",
+        "decodes on the prefill), the share bench (P17, a prefill stuck for "
+        "good, simulated) or the scale bench (P18, 64 decodes, 8 frozen, "
+        "simulated engine) alone",
     )
     args, rest = ap.parse_known_args(argv)
     quick = ["--quick"] if args.quick else []
@@ -659,6 +660,15 @@ def cmd_bench(argv: list[str]) -> int:
         rc = _compare("bench_share.py", [], "bench_share_report.py", out / "share")
         if rc != 0 or args.only == "share":
             return rc
+    if args.only in (None, "scale"):
+        rc = _compare(
+            "bench_transfer_scale.py",
+            quick,
+            "bench_transfer_scale_report.py",
+            out / "scale",
+        )
+        if rc != 0 or args.only == "scale":
+            return rc
     return _compare("bench_mirror.py", quick, "bench_mirror_report.py", out / "mirror")
 
 
@@ -683,7 +693,7 @@ USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
        python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
        python3 dev.py soak [--minutes M] [--seed S] [--both] [--backend nixl] [--out DIR]
-       python3 dev.py bench [--quick] [--only stall|fleet|admission|share|mirror] [--out DIR]
+       python3 dev.py bench [--quick] [--only stall|fleet|admission|share|scale|mirror] [--out DIR]
        python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
 

@@ -22,6 +22,9 @@ latency (add_transfer_request to Success) alone and during, the prefill's
 threads, and every room's outcome.
 
     PYTHONPATH=<variant>:$REPO python3 tools/bench_transfer_scale.py --out r.json
+
+or ``python3 dev.py bench --only scale`` for both variants and the report
+(tools/bench_transfer_scale_report.py).
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ def add_room(mgr, room: int, session: str) -> None:
 
 def run(args) -> dict:
     engine = Engine(args.transfer_ms / 1000)
+    threads_base = threading.active_count()  # the bench's, and earlier runs'
     mgr = make_prefill(engine, args.workers)
     sessions = [f"127.0.0.1:{20000 + 4 * i}" for i in range(args.destinations)]
     frozen = sessions[: args.frozen]
@@ -199,6 +203,7 @@ def run(args) -> dict:
     alone = {add(s) for s in healthy}
     collect(alone, 60)
     threads_before = threading.active_count()
+    cpu_before = time.process_time()
     engine.frozen.update(frozen)
     t_fault = time.monotonic()
     sick = {add(s) for s in frozen}
@@ -211,6 +216,7 @@ def run(args) -> dict:
         peak_threads = max(peak_threads, threading.active_count())
     collect(during, 120)
     collect(sick, HANDSHAKE_S + SYNC_TIMEOUT_S + 30)
+    cpu_s = time.process_time() - cpu_before
     engine.thawed.set()
 
     def latency(room):
@@ -251,7 +257,13 @@ def run(args) -> dict:
             "p90": pct(during_lat, 0.9),
             "max": max(during_lat) if during_lat else None,
         },
-        "threads": {"before": threads_before, "peak": peak_threads},
+        "threads": {
+            "before": threads_before - threads_base,
+            "peak": peak_threads - threads_base,
+        },
+        # Python-side CPU only: the simulated engine waits where the real
+        # sync write spins, one core per transfer in flight (at most workers).
+        "cpu_s": round(cpu_s, 2),
         "outcomes": {k: dict(v) for k, v in outcome.items()},
         "sick_ended_after_s": sorted(
             round(ended[r][1] - t_fault, 1) for r in sick if r in ended
@@ -262,18 +274,29 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument(
+        "--workers",
+        default="4,8,16",
+        help="comma-separated transfer worker counts (SGLANG_DISAGGREGATION_"
+        "QUEUE_SIZE), one run each: 4 is the default, 8 the frozen, 16 more",
+    )
     ap.add_argument("--destinations", type=int, default=64)
     ap.add_argument("--frozen", type=int, default=8)
     ap.add_argument("--window-s", type=float, default=20.0)
     ap.add_argument("--interval-s", type=float, default=0.5)
     ap.add_argument("--transfer-ms", type=float, default=5.0)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a 10 s window")
     args = ap.parse_args(argv)
-    result = run(args)
+    if args.quick:
+        args.window_s = 10.0
+    runs = []
+    for workers in map(int, args.workers.split(",")):
+        result = run(argparse.Namespace(**{**vars(args), "workers": workers}))
+        keys = ("workers", "alone", "during", "threads", "outcomes")
+        print(json.dumps({k: result[k] for k in keys}), flush=True)
+        runs.append(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("variant", "alone", "during", "threads", "outcomes")}))
+    args.out.write_text(json.dumps({"runs": runs}, indent=1))
     os._exit(0)  # frozen transfers may still spin on daemon threads
 
 

@@ -800,6 +800,13 @@ def parse_args(argv=None):
         help="run sglang-router with its defaults and the decode with sglang's "
         "waiting timeout, not ROUTER_PD_SETTINGS and DECODE_WAITING_TIMEOUT_S",
     )
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="prompts of this many token ids, not 12-24 words (--fault decode: "
+        f"{LONG_PROMPT_TOKENS} by default), so that a hung prefill holds real KV",
+    )
     ap.add_argument("--model-dir", type=Path, default=None, help="model cache dir")
     return ap.parse_args(argv)
 
@@ -837,7 +844,7 @@ def run(args, procs: Processes) -> dict:
     p1, b1, p2, b2, dport, rport, prom = free_ports(7)
     decode_fault = args.fault == "decode"
     global PROMPT_TOKENS
-    PROMPT_TOKENS = LONG_PROMPT_TOKENS if decode_fault else None
+    PROMPT_TOKENS = args.prompt_tokens or (LONG_PROMPT_TOKENS if decode_fault else None)
     req_log_dir = out / "decode-requests"
     prefill_extra = ["--disable-radix-cache", "--disaggregation-bootstrap-port"]
 
@@ -1200,6 +1207,7 @@ def run(args, procs: Processes) -> dict:
                    "cmd": router_cmd, "defaults": args.router_defaults},
         "decode_waiting_timeout_s": (
             None if args.router_defaults else DECODE_WAITING_TIMEOUT_S),
+        "prompt_tokens": PROMPT_TOKENS,
         "startup_s": {"servers_healthy": startup, **ready,
                       "router_registered": router_ready},
         "requests": rows,
