@@ -11,6 +11,7 @@ import time
 from array import array
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
+from types import SimpleNamespace
 
 import pd_setup
 from call_recording import Cycle, _install_audit_hook, _Recorded
@@ -136,6 +137,8 @@ class DecodeSide:
         self.cycles: List[Cycle] = []
         self.adds: List[Cycle] = []
         self.quarantined_tokens = 0
+        # (Tracked, what the share counts of it) of the requests in quarantine.
+        self.quarantined: List[Tuple[Tracked, SimpleNamespace]] = []
         _install_audit_hook()
         self._by_decode_req: Dict[int, Tracked] = {}
         self._rooms = itertools.count(random.randrange(1 << 40, 1 << 50))
@@ -229,11 +232,21 @@ class DecodeSide:
             self._release(t)
         else:
             # The prefill holds these KV and metadata slots as its destination
-            # and may still write them (e.g. once resumed); real decode defers
-            # such a release too. Keep them out of the allocators for good.
+            # and may still write them (e.g. once resumed); real decode fences
+            # them too, in the prefill's share, until the prefill is declared
+            # failed (forget_prefill), which is when they go back here.
             self.quarantined_tokens += t.num_tokens
-            t.kv_indices = None
-            t.metadata_index = None
+            receiver = t.decode_req.kv_receiver
+            fenced = SimpleNamespace(
+                req=t.decode_req.req,
+                host_staged=False,
+                served_before=getattr(t.decode_req, "served_before", 0),
+                kv_receiver=SimpleNamespace(
+                    bootstrap_addr=getattr(receiver, "bootstrap_addr", None),
+                    prefill_dp_rank=getattr(receiver, "prefill_dp_rank", None),
+                ),
+            )
+            self.quarantined.append((t, fenced))
 
     def _release(self, t: Tracked) -> None:
         if t.kv_indices is not None:
@@ -282,6 +295,9 @@ class DecodeSide:
         patched = hasattr(queue, "_prefill_shares")
         if patched:
             queue.transfer_queue.queue = [t.decode_req for t in self.transferring]
+            queue.transfer_queue._deferred_releases = [
+                (fenced,) for _, fenced in self.quarantined
+            ]
             shares = queue._prefill_shares()
         moved = []
         for decode_req in queue.queue:
@@ -415,6 +431,13 @@ class DecodeSide:
         """Bring ``addr`` back to first contact: the real heartbeat-failure
         eviction (``_handle_node_failure``), plus the queue's retry state."""
         self.kv_manager._handle_node_failure(addr)
+        kept = []
+        for t, fenced in self.quarantined:
+            if fenced.kv_receiver.bootstrap_addr == addr:
+                self._release(t)
+            else:
+                kept.append((t, fenced))
+        self.quarantined = kept
         # Stock has no _clear_ensure_state(); both variants have the dicts.
         self.queue._ensure_retry_count.pop(addr, None)
         self.queue._ensure_last_attempt_time.pop(addr, None)
