@@ -403,9 +403,10 @@ class _PrefillShares:
     metadata slots before its KV arrives, in transfer or fenced. One that has
     served none of them since the first was admitted is stalled, and may hold
     its share: the pool over the prefills holding some, at least two. With
-    none in transfer it gets one request over, and another once it served one:
-    a request larger than any share starts, a prefill that recovers is served
-    again, and one hung for good holds its share and one request, forever.
+    none in transfer it gets one request over, and another once it served one,
+    while the stalled hold less than half the pool: a request larger than any
+    share starts, a prefill that recovers is served again, and those hung for
+    good hold their shares, at most half the pool and one request, forever.
     Built from the queues and transfers served, alike on every attention-TP
     rank: every rank decides alike, with no collective and no clock."""
 
@@ -416,14 +417,18 @@ class _PrefillShares:
         # prefill -> its served count when it last got one over its share
         self.over_share = over_share
         self.stalled = {p for p, h in held.items() if served.get(p, 0) == h[3]}
-        self.tokens = tokens // max(2, len(held))
-        self.slots = slots // max(2, len(held))
+        # The stalled share half the pool: the healthy keep the other half.
+        parts = max(2, len(held), 2 * len(self.stalled))
+        self.tokens, self.slots = tokens // parts, slots // parts
+        self.half = (tokens // 2, slots // 2)
+        self.stalled_held = [sum(held[p][i] for p in self.stalled) for i in (0, 1)]
 
     def over(self, prefill, tokens: int) -> bool:
         if prefill not in self.stalled or not self._over(self.held[prefill], tokens):
             return False
         held = self.held[prefill]
-        return held[2] > 0 or self.over_share.get(prefill) == held[3]
+        past_half = any(h >= m for h, m in zip(self.stalled_held, self.half))
+        return held[2] > 0 or self.over_share.get(prefill) == held[3] or past_half
 
     def hold(self, prefill, tokens: int, served_before: int) -> None:
         held = self.held.get(prefill)
@@ -432,6 +437,9 @@ class _PrefillShares:
             self.stalled.add(prefill)
         elif prefill in self.stalled and self._over(held, tokens):
             self.over_share[prefill] = served_before  # its one over the share
+        if prefill in self.stalled:
+            self.stalled_held[0] += tokens
+            self.stalled_held[1] += 1
         held[0] += tokens
         held[1] += 1
         held[2] += 1
@@ -1364,7 +1372,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             ):
                 rooms.append(decode_req.req.bootstrap_room)
                 self._ensure_last_attempt_time[key] = now
-                self._ensure_retry_count[key] = self._ensure_retry_count.get(key, 0) + 1
+                # A room's entry is when it was first asked: its budget is time.
+                self._ensure_retry_count.setdefault(key, now)
         if not rooms:
             return
         future = self.kv_manager._ensure_prefill_recompute_executor().submit(
@@ -1407,14 +1416,15 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             return {}
 
     def _abort_unregistered_room(
-        self, bootstrap_addr: str, decode_req: DecodeRequest
+        self, bootstrap_addr: str, decode_req: DecodeRequest, now: float
     ) -> None:
         room = decode_req.req.bootstrap_room
-        attempts = self._ensure_retry_count.get((bootstrap_addr, room), 0)
+        waited = now - self._ensure_retry_count.get((bootstrap_addr, room), now)
         self._clear_ensure_state((bootstrap_addr, room))
         error_msg = (
-            f"Could not fetch the prefill dp rank of bootstrap_room {room} from "
-            f"{bootstrap_addr} after {attempts} attempts"
+            f"Prefill {bootstrap_addr} has not registered bootstrap_room {room} in the "
+            f"{waited:.0f} s since the decode first asked for its dp rank "
+            f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)"
         )
         logger.error(error_msg)
         # kv_receiver may be None from a prior self.queue cleanup
@@ -1422,8 +1432,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             decode_req.kv_receiver.abort()
             self.kv_manager.record_failure(
                 room,
-                f"{error_msg}: the prefill does not know this request. Check "
-                f"that the request reached that prefill server.",
+                f"{error_msg}: the prefill does not know this request. Check that the "
+                f"request reached that prefill server, or raise the timeout if that "
+                f"prefill is only slow to take it.",
             )
 
     def prefetch_prefill_dp_rank_queries(self) -> None:
@@ -1509,12 +1520,11 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                     if prefill_dp_rank is not None:
                         self._clear_ensure_state((bootstrap_addr, room))
                         resolved.append((decode_req, int(prefill_dp_rank)))
-                    elif (
-                        room not in asked
-                        and self._ensure_retry_count.get((bootstrap_addr, room), 0)
-                        >= self._max_ensure_retries
+                    elif room not in asked and (
+                        now - self._ensure_retry_count.get((bootstrap_addr, room), now)
+                        >= envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
                     ):
-                        self._abort_unregistered_room(bootstrap_addr, decode_req)
+                        self._abort_unregistered_room(bootstrap_addr, decode_req, now)
                     else:
                         unanswered.append(decode_req)
                 remaining.extend(unanswered)
@@ -2270,28 +2280,20 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 entry[1] += 1
                 entry[2] += in_transfer
                 entry[3] = min(entry[3], decode_req.served_before)
-        if self._over_share is None:
-            self._over_share = {}
+        self._over_share = self._over_share or {}
         served = transfer_queue._served or {}
         # Prefills coming and going leave nothing behind.
         for counts in (self._over_share, served):
             for prefill in counts.keys() - held.keys():
                 del counts[prefill]
+        # Only what 0.5.23 reads: upstream's allocator doubles have no size.
+        slots = self.req_to_metadata_buffer_idx_allocator.available_size()
+        slots += sum(h[1] for h in held.values())
         return _PrefillShares(
-            held,
-            served,
-            self._over_share,
-            self.token_to_kv_pool_allocator.size,
-            self.req_to_metadata_buffer_idx_allocator.size,
+            held, served, self._over_share, self.max_total_num_tokens, slots
         )
 
-    def _held_at_share(
-        self,
-        decode_req: DecodeRequest,
-        shares: _PrefillShares,
-        skipped: Set,
-        now: float,
-    ) -> bool:
+    def _held_at_share(self, decode_req, shares, skipped: Set, now: float) -> bool:
         """Its prefill is stalled at its share, or skipped an earlier request
         (FIFO). Held for the waiting timeout, it ends naming its prefill."""
         prefill = DecodeTransferQueue._prefill_of(decode_req)
@@ -3328,8 +3330,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
     def _note_served(self, decode_req: DecodeRequest) -> None:
         if _is_fake_transfer(decode_req.req):
             return
-        if self._served is None:
-            self._served = {}
+        self._served = self._served or {}
         key = self._prefill_of(decode_req)
         self._served[key] = self._served.get(key, 0) + 1
 
@@ -3342,8 +3343,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         info = receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr)
         if not isinstance(info, PrefillServerInfo):
             return  # failed already: it writes no more
-        if self._fences is None:
-            self._fences = {}
+        self._fences = self._fences or {}
         served = (self._served or {}).get(self._prefill_of(decode_req), 0)
         self._fences[id(decode_req)] = [info, served, None]
 

@@ -152,6 +152,63 @@ class TestStuckForGood(SimTestCase):
         self.assertEqual([r for r in rooms if r not in self.rank.served], [])
 
 
+class TestManyStuckAtOnce(SimTestCase):
+    """However many prefills hang at once, together they hold at most half
+    the pool and one request over it: the healthy prefill is served."""
+
+    TOKENS, SLOTS, TIMEOUT = 8192, 64, 30.0
+
+    def test_half_the_pool_is_left_to_the_healthy_prefill(self):
+        for n in (4, 8):
+            with self.subTest(hung=n):
+                stuck = [f"10.0.9.{i}:8998" for i in range(n)]
+                rank = self.sim(
+                    [Prefill(HEALTHY, 0.5)]
+                    + [Prefill(addr, None, acks=False) for addr in stuck],
+                    tokens=self.TOKENS,
+                    slots=self.SLOTS,
+                    waiting_timeout=self.TIMEOUT,
+                )
+                healthy, most = {}, 0
+
+                def every(t):
+                    nonlocal most
+                    if abs(t - round(t)) < 1e-9:
+                        for addr in stuck:
+                            self.add(addr)
+                        healthy[self.add(HEALTHY)] = t
+                    most = max(most, sum(rank.held_by(a) for a in stuck))
+
+                self.run_for(240, every)
+                self.assertLessEqual(most, self.TOKENS // 2 + 464)
+                late = [r for r, t in healthy.items() if 120 <= t < 235]
+                self.assertEqual([r for r in late if r not in rank.served], [])
+                self.doCleanups()
+
+
+class TestUpstreamAllocatorDouble(SimTestCase):
+    """Upstream's MagicMock allocator (separate_buffer_allocator_double) has
+    no ``size``: admission reads only what 0.5.23 reads of it."""
+
+    def test_two_requests_of_one_prefill_are_admitted(self):
+        from sglang.test.separate_buffer_allocator_double import (
+            separate_buffer_allocator_double,
+        )
+
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5)], tokens=8192, slots=64, waiting_timeout=300.0
+        )
+        double = separate_buffer_allocator_double(page_size=1)
+        double.available_size.return_value = 8192
+        double.full_available_size.return_value = 8192
+        double.translate_kv_indices_for_transfer.side_effect = lambda idx: idx
+        rank.prealloc.token_to_kv_pool_allocator = double
+        rooms = [self.add(HEALTHY), self.add(HEALTHY)]
+        self.run_for(DT)
+        admitted = [r.req.bootstrap_room for r in rank.transfer.queue]
+        self.assertEqual(admitted, rooms)
+
+
 class TestLargerThanAShare(SimTestCase):
     """Requirement E: a request larger than its prefill's share is admitted
     as 0.5.23 would, and the order of the queue is kept."""
@@ -674,6 +731,27 @@ class TestDeferredReleaseOffAsksForTheAck(CustomTestCase):
         )
         self.assertTrue(handled)
         self.assertEqual(acks, [(42, 0, 7)])
+
+
+    def test_the_ack_of_a_prefill_with_deferred_release_off_is_taken(self):
+        # Its ACK has no rank nor generation ([ABORT_ACK, room]), and comes
+        # once its abort handler marked the room failed.
+        from sglang.srt.disaggregation.common.conn import (
+            ABORT_ACK_TAG,
+            CommonKVManager,
+        )
+
+        kv_mgr = CommonKVManager.__new__(CommonKVManager)
+        kv_mgr._deferred_abort_ack_tracker = {}
+        kv_mgr._deferred_abort_generation = 0
+        kv_mgr.register_deferred_abort_room(42)
+        for frames in ([ABORT_ACK_TAG, b"7"], [ABORT_ACK_TAG, b"x"]):
+            self.assertTrue(kv_mgr.handle_abort_ack_message(frames))
+        self.assertFalse(kv_mgr.is_abort_release_safe(42, 1))
+        kv_mgr.handle_abort_ack_message([ABORT_ACK_TAG, b"42"])
+        self.assertTrue(kv_mgr.is_abort_release_safe(42, 1))
+        self.assertFalse(kv_mgr.is_abort_release_safe(42, 2))
+        self.assertEqual(kv_mgr._deferred_abort_ack_tracker.keys(), {42})
 
 
 class TestNoNewCollective(SimTestCase):

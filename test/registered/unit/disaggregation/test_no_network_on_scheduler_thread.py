@@ -632,6 +632,24 @@ class TestBackgroundRouteSetup(_Base):
             later.init(0)
             self.assertEqual(later.poll(), KVPoll.WaitingForInput)
 
+    def test_a_setup_queued_behind_others_is_bounded_from_when_it_starts(self):
+        # The prefill's threads are busy with other setups of a slow but
+        # answering bootstrap server: time queued is not the lookups'.
+        clock, mgr = fake_clock_and_manager(self, workers=1)
+        cache_info(mgr, ADDR, dict(PREFILL_INFO, attn_tp_size=2))
+        route = self.patch_route(BlockingRoute(block=True))
+        CommonKVReceiver(mgr, ADDR, 1).init(0)
+        self.assertTrue(route.entered.wait(_WAIT_S))
+        queued = CommonKVReceiver(mgr, ADDR, 2)
+        queued.init(1)
+        self.assertEqual(queued.poll(), KVPoll.Bootstrapping)
+
+        clock.now += 2 * conn_mod.BOOTSTRAP_QUERY_TIMEOUT_S
+        self.assertEqual(queued.poll(), KVPoll.Bootstrapping)
+        route.release.set()
+        drain(mgr)
+        self.assertEqual(queued.poll(), KVPoll.WaitingForInput)
+
     def test_eviction_during_the_setup_caches_nothing(self):
         route = self.patch_route(BlockingRoute(block=True))
         receiver = self.receiver(room=1)

@@ -10,6 +10,7 @@ passing is a fake clock moved on by one interval. No sleeps.
 """
 
 import json
+import os
 import threading
 import unittest
 from concurrent.futures import ThreadPoolExecutor
@@ -266,8 +267,15 @@ class TestDpRankQueryOverlap(_Base):
 class TestDpRankRetryBudget(_Base):
     def setUp(self):
         super().setUp()
-        self.queue._max_ensure_retries = 2
         self.queue.kv_manager.record_failure = mock.MagicMock()
+
+    def budget(self, seconds: int) -> None:
+        """A room's budget: the waiting timeout from its first query. One
+        retry interval is two queries."""
+        timeout = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(seconds)}
+        patcher = mock.patch.dict(os.environ, timeout)
+        patcher.start()
+        self.addCleanup(patcher.stop)
 
     def pend_abortable(self, room):
         self.pend(room)
@@ -281,7 +289,8 @@ class TestDpRankRetryBudget(_Base):
         self.drain()
         self.queue._resolve_pending_reqs()
 
-    def test_a_room_never_registered_fails_after_its_budget_with_the_cause(self):
+    def test_a_room_never_registered_fails_at_the_waiting_timeout_with_the_cause(self):
+        self.budget(1)
         self.server.unknown = {61}
         decode_req = self.pend_abortable(61)
 
@@ -293,14 +302,31 @@ class TestDpRankRetryBudget(_Base):
         room, reason = self.queue.kv_manager.record_failure.call_args.args
         self.assertEqual(room, 61)
         self.assertIn(
-            f"Could not fetch the prefill dp rank of bootstrap_room 61 from "
-            f"{self.server.addr} after 2 attempts",
+            f"Prefill {self.server.addr} has not registered bootstrap_room 61 in "
+            f"the 1 s since the decode first asked for its dp rank "
+            f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)",
             reason,
         )
         self.assertEqual(self.queue.pending_reqs, [])
         self.assertEqual(self.queue._ensure_retry_count, {})
 
+    def test_a_room_registered_late_is_asked_for_until_the_waiting_timeout(self):
+        # A dp-attention prefill registers a room only once its dp scheduler
+        # takes the request: under load, long after the decode got it.
+        self.budget(30)
+        self.server.unknown = {63}
+        decode_req = self.pend_abortable(63)
+        for _ in range(30):
+            self.attempt()
+        decode_req.kv_receiver.abort.assert_not_called()
+        self.server.unknown = set()
+        self.attempt()
+
+        decode_req.kv_receiver.init.assert_called_once_with(63 % 8)
+        self.assertEqual(len(self.server.bodies), 31)
+
     def test_an_answer_to_the_last_attempt_still_resolves_the_room(self):
+        self.budget(1)
         self.server.unknown = {65}
         decode_req = self.pend_abortable(65)
         self.attempt()  # attempt 1: not known yet
@@ -321,6 +347,7 @@ class TestDpRankRetryBudget(_Base):
         decode_req.kv_receiver.abort.assert_not_called()
 
     def test_each_room_has_its_own_budget(self):
+        self.budget(1)
         self.server.unknown = {71}
         stuck = self.pend_abortable(71)
         self.attempt()
@@ -334,10 +361,12 @@ class TestDpRankRetryBudget(_Base):
         self.assertEqual(self.pending_rooms(), [72])
 
     def test_the_budget_ends_with_the_last_request_that_needed_it(self):
+        self.budget(1)
         self.server.unknown = {81}
         self.pend_abortable(81)
         self.attempt()
-        self.assertEqual(self.queue._ensure_retry_count[(self.server.addr, 81)], 1)
+        first_asked = self.queue._ensure_retry_count[(self.server.addr, 81)]
+        self.assertEqual(first_asked, self.clock.now)
 
         # The request leaves the pending list some other way (an abort) while
         # another one stays.
@@ -352,11 +381,13 @@ class TestDpRankRetryBudget(_Base):
         again = self.pend_abortable(81)
         self.attempt()
         again.kv_receiver.abort.assert_not_called()
-        self.assertEqual(self.queue._ensure_retry_count[(self.server.addr, 81)], 1)
+        first_asked = self.queue._ensure_retry_count[(self.server.addr, 81)]
+        self.assertEqual(first_asked, self.clock.now)
         self.attempt()
         again.kv_receiver.abort.assert_called_once()
 
     def test_an_unexpected_error_is_a_failed_attempt_not_a_crash(self):
+        self.budget(1)
         decode_req = self.pend_abortable(91)
         with mock.patch.object(
             CommonKVReceiver,

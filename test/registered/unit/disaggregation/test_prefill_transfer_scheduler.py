@@ -518,6 +518,11 @@ class TestNixlAwaitHandles(CustomTestCase):
             clock.now += nixl_mod.NIXL_NO_PROGRESS_TIMEOUT_S
             self.assertIsNone(mgr._stuck_decode({"agent-a": 0}))
             self.assertEqual(mgr._stuck_decodes, {})
+            # A decode that is gone gets no room again: its mark ends anyway.
+            mgr._note_stuck_decode({"gone": 0})
+            clock.now += nixl_mod.NIXL_NO_PROGRESS_TIMEOUT_S
+            mgr._note_stuck_decode({"agent-b": 0})
+            self.assertEqual(list(mgr._stuck_decodes), ["agent-b"])
 
 
 GIB = 1 << 30

@@ -1328,6 +1328,13 @@ class CommonKVManager(BaseKVManager):
         if not msg or msg[0] != ABORT_ACK_TAG:
             return False
         # With deferred release off too: decode.py fences pages until it.
+        if len(msg) == 2 and msg[1].isdigit():
+            # A prefill with deferred release off acks, with no rank, once its
+            # abort handler failed the room: no chunk of it starts after that.
+            state = self._deferred_abort_ack_tracker.get(int(msg[1]))
+            if state is not None:
+                state.prefill_ranks.add(-1 - len(state.prefill_ranks))
+            return True
         ack = AbortAck.from_zmq(msg)
         if ack is None:
             return True
@@ -3116,11 +3123,10 @@ class CommonKVReceiver(BaseKVReceiver):
         runs. Never waits: a setup that outlives every lookup's bound (a peer
         that trickles) fails the request."""
         setup = self._route_setup
-        lookups = (
-            len(self.target_cp_ranks)
-            * len(self.target_tp_ranks)
-            * len(self.target_pp_ranks)
-        )
+        if not setup.running():  # queued: its lookups' bound starts when they do
+            self._route_setup_at = time.monotonic()
+        cp, tp, pp = self.target_cp_ranks, self.target_tp_ranks, self.target_pp_ranks
+        bound = BOOTSTRAP_QUERY_TIMEOUT_S * max(1, len(cp) * len(tp) * len(pp))
         if setup.done():
             cached = not setup.cancelled() and setup.result()
             reason = (
@@ -3128,16 +3134,14 @@ class CommonKVReceiver(BaseKVReceiver):
                 f"(prefill_dp_rank {self.prefill_dp_rank}); the decode log has the "
                 f"error of each lookup."
             )
-        elif time.monotonic() - self._route_setup_at < BOOTSTRAP_QUERY_TIMEOUT_S * max(
-            1, lookups
-        ):
+        elif time.monotonic() - self._route_setup_at < bound:
             return False
         else:
             cached = False
             reason = (
                 f"The bootstrap info lookups to prefill {self.bootstrap_addr} have "
-                f"not ended {BOOTSTRAP_QUERY_TIMEOUT_S * max(1, lookups)} s after they "
-                f"started: check its bootstrap server and the network to it."
+                f"not ended {bound} s after they started: check its bootstrap "
+                f"server and the network to it."
             )
         self._route_setup = None
         if cached:

@@ -1195,8 +1195,13 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
     def _note_stuck_decode(self, transfer_infos) -> None:
         # Made here, atomically: workers that give up at once share one dict.
         stuck = vars(self).setdefault("_stuck_decodes", {})
+        now = time.monotonic()
         for agent_name in transfer_infos:
-            stuck[agent_name] = time.monotonic()
+            stuck[agent_name] = now
+        # Decodes that are gone get no room again: their marks end here.
+        for agent_name, since in list(stuck.items()):
+            if now - since >= NIXL_NO_PROGRESS_TIMEOUT_S:
+                stuck.pop(agent_name, None)
 
     def _stuck_decode(self, transfer_infos) -> Optional[str]:
         """Why a room to these decodes fails at once: one left a batch
