@@ -15,7 +15,7 @@
         The chaos soak: the demo's deployment under load for M minutes (10) while
         a seeded schedule freezes, kills and restarts, and slows its prefills;
         stock, then patched with the same schedule (tools/soak_pd.py).
-    python3 dev.py bench [--quick] [--only stall|fleet|admission|share|scale|mirror]
+    python3 dev.py bench [--quick] [--only stall|fleet|admission|share|scale|mirror|serving]
         The scheduler stall benchmark (P1-P8) and the fleet-scale benchmark
         (P9-P12, P15) on real PD over loopback, and the admission benchmark
         (P14: a stuck prefill, real servers), stock and patched.
@@ -627,16 +627,19 @@ def cmd_bench(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench-out")
     ap.add_argument(
         "--only",
-        choices=("stall", "fleet", "admission", "mirror", "share", "scale"),
+        choices=("stall", "fleet", "admission", "mirror", "share", "scale", "serving"),
         help="the stall bench (P1-P8), the fleet bench (P9-P12, P15), the "
         "admission bench (P14, real servers), the mirror bench (P16, sick "
         "decodes on the prefill), the share bench (P17, a prefill stuck for "
         "good, simulated) or the scale bench (P18, 64 decodes, 8 frozen, "
-        "simulated engine) alone",
+        "simulated engine) alone; serving: bench F (sglang.benchmark.serving "
+        "through the router, real servers, two rounds), only when named",
     )
     args, rest = ap.parse_known_args(argv)
     quick = ["--quick"] if args.quick else []
     out = args.out.resolve()
+    if args.only == "serving":
+        return _bench_serving(out / "serving")
     if args.only in (None, "stall"):
         rc = _compare("bench_stall.py", quick + rest, "bench_report.py", out)
         if rc != 0 or args.only == "stall":
@@ -672,6 +675,31 @@ def cmd_bench(argv: list[str]) -> int:
     return _compare("bench_mirror.py", quick, "bench_mirror_report.py", out / "mirror")
 
 
+def _bench_serving(out: Path, rounds: int = 2) -> int:
+    """Bench F: tools/demo_pd.py --serving (sglang.benchmark.serving through the
+    router, no fault), stock then patched, ``rounds`` times; every run offers
+    the load the first stock run calibrated. Then tools/serving_report.py."""
+    start = time.monotonic()
+    ensure_system_packages()
+    shutil.rmtree(out, ignore_errors=True)
+    first = None
+    for i in range(rounds):
+        rdir = out / f"round{i + 1}"
+        variant_args = {v: ["--out", str(rdir / v)] for v in VARIANTS}
+        variant_args["stock"] += ["--rate-from", str(first)] if first else []
+        variant_args["patched"] += ["--rate-from", str(first or rdir / "stock")]
+        common = ["--serving", "--prompt-tokens", "256"]
+        stock_files = cpu_enabled_stock_files(cache_dir())
+        if not _run_both("demo_pd.py", common, variant_args, stock_files):
+            log(f"logs are in {rdir}")
+            return 1
+        first = first or rdir / "stock"
+    report = [venv_python(cache_dir()), REPO / "tools" / "serving_report.py", out]
+    rc = _run(report, env=tool_env())
+    log(f"bench F took {time.monotonic() - start:.0f} s; report: {out / 'report.md'}")
+    return rc
+
+
 def cmd_faults(argv: list[str]) -> int:
     """test/pd_loopback/fault_matrix.py against stock 0.5.23 and the patch, then
     tools/fault_report.py."""
@@ -693,7 +721,7 @@ USAGE = """usage: python3 dev.py test [PYTEST ARGS...]
        python3 dev.py side-by-side SCRIPT [ARGS...]
        python3 dev.py demo [--backend nixl] [--quick] [--out DIR]
        python3 dev.py soak [--minutes M] [--seed S] [--both] [--backend nixl] [--out DIR]
-       python3 dev.py bench [--quick] [--only stall|fleet|admission|share|scale|mirror] [--out DIR]
+       python3 dev.py bench [--quick] [--only stall|fleet|admission|share|scale|mirror|serving] [--out DIR]
        python3 dev.py faults [--backend nixl] [--faults NAMES] [--out DIR]"""
 
 

@@ -703,6 +703,52 @@ def calibrate(url: str, prefix: str, seconds: float) -> dict:
     }
 
 
+SERVING_INPUT_LEN, SERVING_OUTPUT_LEN = 256, 32
+SERVING_SECONDS = 60.0  # of offered load at half the capacity
+SERVING_SATURATION = (64, 8)  # prompts, at most in flight (CALIBRATION_CLIENTS)
+
+
+def serving_bench(url: str, model: Path, capacity: float, out: Path) -> dict:
+    """sglang's own load generator through the router, no fault: at half the
+    calibrated capacity, then at saturation. Its JSONL result per phase."""
+    half = max(0.25, capacity / 2)
+    phases = {
+        "half": (["--request-rate", f"{half:.3f}"], int(half * SERVING_SECONDS)),
+        "saturation": (
+            ["--request-rate", "inf", "--max-concurrency", str(SERVING_SATURATION[1])],
+            SERVING_SATURATION[0],
+        ),
+    }
+    results = {}
+    for name, (rate_args, prompts) in phases.items():
+        path = out / f"serving-{name}.jsonl"
+        cmd = [sys.executable, "-m", "sglang.benchmark.serving",
+               "--backend", "sglang", "--base-url", url,
+               "--dataset-name", "random-ids", "--tokenizer", str(model),
+               "--num-prompts", str(max(8, prompts)),
+               "--random-input-len", str(SERVING_INPUT_LEN),
+               "--random-output-len", str(SERVING_OUTPUT_LEN),
+               "--random-range-ratio", "1.0", "--seed", "1",
+               "--disable-tqdm", "--output-file", str(path), *rate_args]  # fmt: skip
+        log(f"serving bench {name}: {' '.join(cmd[3:])}")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        (out / f"serving-{name}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0 or not path.is_file():
+            raise RuntimeError(
+                f"sglang.benchmark.serving ({name}) failed, rc={proc.returncode}: "
+                f"{(proc.stdout + proc.stderr)[-2000:]}"
+            )
+        results[name] = json.loads(path.read_text().strip().splitlines()[-1])
+        r = results[name]
+        log(
+            f"serving bench {name}: {r['completed']} completed, "
+            f"{r['request_throughput']:.2f} req/s; TTFT median "
+            f"{r['median_ttft_ms']:.0f} ms, p99 {r['p99_ttft_ms']:.0f} ms; ITL "
+            f"median {r['median_itl_ms']:.1f} ms, p99 {r['p99_itl_ms']:.1f} ms"
+        )
+    return results
+
+
 def _other_run(path: Path) -> Optional[dict]:
     """The result.json of another run, for its rate; None (logged) if absent."""
     path = path / "result.json" if path.is_dir() else path
@@ -806,6 +852,12 @@ def parse_args(argv=None):
         default=None,
         help="prompts of this many token ids, not 12-24 words (--fault decode: "
         f"{LONG_PROMPT_TOKENS} by default), so that a hung prefill holds real KV",
+    )
+    ap.add_argument(
+        "--serving",
+        action="store_true",
+        help="no fault: after calibrating, run sglang.benchmark.serving through "
+        "the router at half the capacity and at saturation (bench F)",
     )
     ap.add_argument("--model-dir", type=Path, default=None, help="model cache dir")
     return ap.parse_args(argv)
@@ -1049,6 +1101,24 @@ def run(args, procs: Processes) -> dict:
         rate = rate_choice["rate"]
         log(f"rate {rate:g} req/s: {rate_choice['why']}")
         time.sleep(2.0)  # let the servers settle before the measured run
+    if args.serving:
+        # Both variants offer the same load: the first run's capacity.
+        capacity = (calibration or {}).get("capacity_rps") or 2 * rate
+        other = _other_run(args.rate_from) if args.rate_from else None
+        capacity = (other or {}).get("serving_capacity", capacity)
+        mem.stop_event.set()
+        return {
+            "variant": variant,
+            "backend": args.backend,
+            "rate": rate,
+            "calibration": calibration,
+            "serving_capacity": capacity,
+            "serving": serving_bench(router_url, model, capacity, out),
+            "memory": {
+                "peak_total_rss_bytes": mem.peak_total,
+                "peak_total_pss_bytes": mem.peak_pss_total,
+            },
+        }
 
     # The run: a trickle of requests; prefill2 frozen in [before, before+freeze).
     reqs = RequestLog()
@@ -1260,6 +1330,8 @@ def main(argv=None) -> int:
         f"processes {mem['peak_total_rss_bytes'] / 2**30:.2f} GiB); results in "
         f"{path}"
     )
+    if "serving" in result:
+        return 0
     from demo_report import summarize_text
 
     print(summarize_text(result), flush=True)
