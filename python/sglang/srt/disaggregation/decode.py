@@ -379,8 +379,7 @@ class DecodeRequest:
     hicache_restore_lock: Optional[TreeLock] = None
     hicache_load_consumer_index: int = -1
     hicache_restore_status: HiCacheRestoreResult = HiCacheRestoreResult.PENDING
-    # Since when it is held at its prefill's share, and how many transfers that
-    # prefill had served to this decode when it was admitted (_PrefillShares).
+    # _PrefillShares: since when it is held, and its prefill's serves before it.
     held_since: Optional[float] = None
     served_before: int = 0
 
@@ -402,59 +401,53 @@ class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
     metadata slots before its KV arrives, in transfer or fenced. One that has
     served none of them since the first was admitted is stalled, and may hold
-    its share: the pool over the prefills holding some, at least two. With
-    none in transfer it gets one request over, and another once it served one,
-    while the stalled hold less than half the pool: a request larger than any
-    share starts, a prefill that recovers is served again, and those hung for
-    good hold their shares, at most half the pool and one request, forever.
-    Built from the queues and transfers served, alike on every attention-TP
-    rank: every rank decides alike, with no collective and no clock."""
+    its share of the pool, the stalled together at most half. With none in
+    transfer it gets one request over while they hold less than half: a
+    request larger than any share starts, one that recovers is served again,
+    and however many hang for good they hold half the pool and a request
+    each at most, forever. Built from the queues and transfers served, alike
+    on every attention-TP rank: every rank decides alike, with no collective
+    and no clock."""
 
-    def __init__(self, held: Dict, served: Dict, over_share: Dict, tokens, slots):
+    def __init__(self, held: Dict, served: Dict, tokens, slots):
         # prefill -> [tokens, slots, in transfer, served_before of the oldest]
         self.held = held
         self.served = served
-        # prefill -> its served count when it last got one over its share
-        self.over_share = over_share
         self.stalled = {p for p, h in held.items() if served.get(p, 0) == h[3]}
         # The stalled share half the pool: the healthy keep the other half.
         parts = max(2, len(held), 2 * len(self.stalled))
         self.tokens, self.slots = tokens // parts, slots // parts
         self.half = (tokens // 2, slots // 2)
-        self.stalled_held = [sum(held[p][i] for p in self.stalled) for i in (0, 1)]
+        self.stalled_held = [sum(held[p][i] for p in self.stalled) for i in range(3)]
 
     def over(self, prefill, tokens: int) -> bool:
         if prefill not in self.stalled or not self._over(self.held[prefill], tokens):
             return False
-        held = self.held[prefill]
         past_half = any(h >= m for h, m in zip(self.stalled_held, self.half))
-        return held[2] > 0 or self.over_share.get(prefill) == held[3] or past_half
+        return self.held[prefill][2] > 0 or past_half
 
     def hold(self, prefill, tokens: int, served_before: int) -> None:
         held = self.held.get(prefill)
         if held is None:
             held = self.held[prefill] = [0, 0, 0, served_before]
             self.stalled.add(prefill)
-        elif prefill in self.stalled and self._over(held, tokens):
-            self.over_share[prefill] = served_before  # its one over the share
-        if prefill in self.stalled:
-            self.stalled_held[0] += tokens
-            self.stalled_held[1] += 1
-        held[0] += tokens
-        held[1] += 1
-        held[2] += 1
+        entries = (held, self.stalled_held) if prefill in self.stalled else (held,)
+        for entry in entries:
+            entry[:3] = entry[0] + tokens, entry[1] + 1, entry[2] + 1
 
     def _over(self, held: List[int], tokens: int) -> bool:
-        return held[0] + tokens > self.tokens or held[1] >= self.slots
+        stalled = self.stalled_held
+        return (
+            held[0] + tokens > self.tokens
+            or held[1] >= self.slots
+            or (stalled[0] + tokens > self.half[0] or stalled[1] >= self.half[1])
+        )
 
 
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     """
     Store the requests that are preallocating.
     """
-
-    # _PrefillShares.over_share, kept across cycles; made on first use.
-    _over_share: Optional[Dict] = None
 
     def __init__(
         self,
@@ -2280,22 +2273,19 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 entry[1] += 1
                 entry[2] += in_transfer
                 entry[3] = min(entry[3], decode_req.served_before)
-        self._over_share = self._over_share or {}
         served = transfer_queue._served or {}
-        # Prefills coming and going leave nothing behind.
-        for counts in (self._over_share, served):
-            for prefill in counts.keys() - held.keys():
-                del counts[prefill]
+        for prefill in served.keys() - held.keys():
+            del served[prefill]  # prefills coming and going leave nothing behind
         # Only what 0.5.23 reads: upstream's allocator doubles have no size.
         slots = self.req_to_metadata_buffer_idx_allocator.available_size()
         slots += sum(h[1] for h in held.values())
-        return _PrefillShares(
-            held, served, self._over_share, self.max_total_num_tokens, slots
-        )
+        return _PrefillShares(held, served, self.max_total_num_tokens, slots)
 
     def _held_at_share(self, decode_req, shares, skipped: Set, now: float) -> bool:
         """Its prefill is stalled at its share, or skipped an earlier request
         (FIFO). Held for the waiting timeout, it ends naming its prefill."""
+        if _is_fake_transfer(decode_req.req):
+            return False  # the decode's own /health: it has no prefill
         prefill = DecodeTransferQueue._prefill_of(decode_req)
         if prefill not in skipped and not shares.over(
             prefill, self._share_tokens(decode_req.req)
@@ -3335,22 +3325,25 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         self._served[key] = self._served.get(key, 0) + 1
 
     def _fence(self, decode_req: DecodeRequest) -> None:
-        """Its prefill may still write into its pages: note the prefill's info
-        (replaced if the heartbeat fails it) and its transfers served."""
+        """Note its prefill's info (replaced once failed) and transfers served."""
         if _is_fake_transfer(decode_req.req):
             return
         receiver = decode_req.kv_receiver
-        info = receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr)
+        kv = receiver.kv_mgr
+        info = kv.prefill_info_table.get(receiver.bootstrap_addr)
         if not isinstance(info, PrefillServerInfo):
             return  # failed already: it writes no more
+        deferred = self.enable_deferred_kv_release
+        if not (deferred and kv.enable_deferred_decode_kv_release):
+            if not kv.legacy_abort_ack:
+                return  # no ACK could end it: released at the deadline
         self._fences = self._fences or {}
         served = (self._served or {}).get(self._prefill_of(decode_req), 0)
         self._fences[id(decode_req)] = [info, served, None]
 
     def _may_still_write(self, decode_req: DecodeRequest, now: float) -> bool:
-        """Past 0.5.23's release timeout: its prefill has not acknowledged the
-        abort, nor been declared failed, nor served another of this decode's
-        transfers since (it then read the ABORT sent before that one's KV)."""
+        """Past the release timeout: its prefill has not acked (or read) the ABORT,
+        been declared failed, or served this decode since (it read it then)."""
         fence = self._fences.get(id(decode_req)) if self._fences else None
         if fence is None:
             return False
@@ -3360,6 +3353,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         if (
             receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr) is not info
             or (self._served or {}).get(key, 0) != served
+            or receiver.kv_mgr.abort_was_read(decode_req.req.bootstrap_room)
         ):
             return False
         if resend_at is None:

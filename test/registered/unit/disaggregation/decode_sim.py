@@ -185,7 +185,11 @@ class FakeReceiver:
 
 
 class FakeKVManager:
-    """What the queues read of the decode's kv manager."""
+    """What the queues read of the decode's kv manager. With deferred release
+    off, a prefill acks an ABORT on reading it (Mooncake's [ABORT_ACK, room]);
+    legacy_abort_ack False is NIXL's and Mori's, which send none."""
+
+    legacy_abort_ack = True
 
     def __init__(self, rank: "Rank", deferred_release: bool):
         self.rank = rank
@@ -203,8 +207,16 @@ class FakeKVManager:
         self.failure_records[room] = reason
 
     def is_abort_release_safe(self, room: int, required_acks: int) -> bool:
+        if required_acks == 0:
+            return True
         addr = self.rank.room_prefill[room]
-        return required_acks == 0 or self.world.acked(room, self.world.prefills[addr])
+        drained = self.world.acked(room, self.world.prefills[addr])
+        return drained and self.enable_deferred_decode_kv_release
+
+    def abort_was_read(self, room: int) -> bool:
+        addr = self.rank.room_prefill[room]
+        read = self.world.acked(room, self.world.prefills[addr])
+        return read and not self.enable_deferred_decode_kv_release
 
     def clear_deferred_abort_state(self, room: int) -> None:
         pass

@@ -186,6 +186,60 @@ class TestManyStuckAtOnce(SimTestCase):
                 self.doCleanups()
 
 
+    def test_prefills_that_hang_in_the_first_cycle_hold_half_the_pool(self):
+        # Their requests come before any prefill holds some, so the first
+        # cycle's shares are half the pool each: together they stop at half,
+        # and one request each.
+        stuck = [f"10.0.9.{i}:8998" for i in range(3)]
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5)] + [Prefill(a, None, acks=False) for a in stuck],
+            tokens=self.TOKENS,
+            slots=self.SLOTS,
+            waiting_timeout=self.TIMEOUT,
+        )
+        for addr in stuck:
+            for _ in range(10):
+                self.add(addr, prompt=960)
+        healthy = {}
+
+        def every(t):
+            if abs(t - round(t)) < 1e-9:
+                healthy[self.add(HEALTHY)] = t
+                for addr in stuck:
+                    self.add(addr, prompt=960)
+
+        self.run_for(120, every)
+        held = sum(rank.held_by(a) for a in stuck)
+        self.assertLessEqual(held, self.TOKENS // 2 + len(stuck) * (960 + 64))
+        late = [r for r, t in healthy.items() if 60 <= t < 115]
+        self.assertEqual([r for r in late if r not in rank.served], [])
+
+
+class TestDecodeOwnHealthProbe(SimTestCase):
+    """sglang's /health on a decode generates one token through the fake
+    transfer backend (FAKE_BOOTSTRAP_HOST): it has no prefill to share."""
+
+    def test_admitted_while_a_prefill_is_stalled(self):
+        from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+            tokens=8192,
+            slots=64,
+            waiting_timeout=30.0,
+        )
+        self.add(STUCK)
+        self.run_for(DT)  # it holds a request and has served none: stalled
+        self.add(HEALTHY, prompt=4)
+        rank.prealloc.queue[-1].req.bootstrap_host = FAKE_BOOTSTRAP_HOST
+        receiver = FakeKVReceiver(rank.kv_manager, FAKE_BOOTSTRAP_HOST)
+        rank.prealloc.queue[-1].kv_receiver = receiver
+        receiver.init(0)
+        self.run_for(DT)
+        self.assertTrue(receiver.has_sent_metadata)
+
+
 class TestUpstreamAllocatorDouble(SimTestCase):
     """Upstream's MagicMock allocator (separate_buffer_allocator_double) has
     no ``size``: admission reads only what 0.5.23 reads of it."""
@@ -395,6 +449,34 @@ class TestFencedWhileItMayWrite(SimTestCase):
         self.assertEqual(self.held_after(rank, lambda room: None), 400)
         rank2 = self.setup_sim(deferred_release=False)
         self.assertEqual(self.held_after(rank2, rank2.client_abort), 400)
+
+    def test_deferred_release_off_an_abort_read_is_released_at_the_deadline(self):
+        # Mooncake's prefill acks on reading the ABORT, not once drained: a
+        # chunk may still be in flight, so the pages wait for the deadline.
+        rank = self.setup_sim(deferred_release=False, acks=True, transfer_s=20.0)
+        self.assertEqual(self.held_after(rank, rank.client_abort, 29), 400)
+        self.run_for(2)
+        self.assertEqual(rank.held_by(STUCK), 0)
+
+    def test_deferred_release_off_with_no_ack_at_all_is_released_at_the_deadline(
+        self,
+    ):
+        # NIXL's and Mori's prefills never ack with deferred release off: a
+        # fence could never end, and two client aborts would lock a healthy
+        # prefill out of this decode for good.
+        rank = self.setup_sim(deferred_release=False, acks=False, transfer_s=3.0)
+        rank.kv_manager.legacy_abort_ack = False
+        for _ in range(2):
+            big = self.add(STUCK, prompt=3000)
+            self.run_for(0.5)
+            rank.client_abort(big)
+        self.run_for(20)
+        self.assertEqual(rank.held_by(STUCK), 6000)  # 0.5.23 frees them at once
+        self.run_for(11)
+        self.assertEqual(rank.held_by(STUCK), 0)
+        later = [self.add(STUCK) for _ in range(3)]
+        self.run_for(10)
+        self.assertEqual([r for r in later if r not in rank.served], [])
 
     def test_released_when_the_prefill_is_declared_failed(self):
         rank = self.setup_sim()
@@ -611,8 +693,9 @@ class TestPrefillsComingAndGoing(SimTestCase):
         sent = [self.add(addr) for addr in addrs for _ in range(2)]
         self.run_for(5)
         self.assertEqual([r for r in sent if r not in rank.served], [])
-        self.assertEqual(rank.transfer._served, {})
-        self.assertEqual(rank.prealloc._over_share, {})
+        # Counts are pruned at the next admission: one prefill goes on.
+        self.run_for(5, lambda t: self.add(addrs[0]))
+        self.assertLessEqual(rank.transfer._served.keys(), {(addrs[0], 0)})
 
 
 class TestUpstreamShapes(CustomTestCase):
@@ -733,9 +816,9 @@ class TestDeferredReleaseOffAsksForTheAck(CustomTestCase):
         self.assertEqual(acks, [(42, 0, 7)])
 
 
-    def test_the_ack_of_a_prefill_with_deferred_release_off_is_taken(self):
+    def test_the_ack_of_a_prefill_with_deferred_release_off_says_it_read_it(self):
         # Its ACK has no rank nor generation ([ABORT_ACK, room]), and comes
-        # once its abort handler marked the room failed.
+        # once its abort handler marked the room failed, not once drained.
         from sglang.srt.disaggregation.common.conn import (
             ABORT_ACK_TAG,
             CommonKVManager,
@@ -747,11 +830,15 @@ class TestDeferredReleaseOffAsksForTheAck(CustomTestCase):
         kv_mgr.register_deferred_abort_room(42)
         for frames in ([ABORT_ACK_TAG, b"7"], [ABORT_ACK_TAG, b"x"]):
             self.assertTrue(kv_mgr.handle_abort_ack_message(frames))
+        self.assertFalse(kv_mgr.abort_was_read(42))
+        self.assertFalse(kv_mgr.abort_was_read(7))
+        for _ in range(2):
+            kv_mgr.handle_abort_ack_message([ABORT_ACK_TAG, b"42"])
+        self.assertTrue(kv_mgr.abort_was_read(42))
         self.assertFalse(kv_mgr.is_abort_release_safe(42, 1))
-        kv_mgr.handle_abort_ack_message([ABORT_ACK_TAG, b"42"])
-        self.assertTrue(kv_mgr.is_abort_release_safe(42, 1))
-        self.assertFalse(kv_mgr.is_abort_release_safe(42, 2))
         self.assertEqual(kv_mgr._deferred_abort_ack_tracker.keys(), {42})
+        kv_mgr.register_deferred_abort_room(42)  # sent again: a new generation
+        self.assertFalse(kv_mgr.abort_was_read(42))
 
 
 class TestNoNewCollective(SimTestCase):

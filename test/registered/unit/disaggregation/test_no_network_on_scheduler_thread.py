@@ -36,6 +36,7 @@ from sglang.srt.disaggregation.decode import (
     DecodeRequest,
     _bootstrap_addr,
 )
+from sglang.srt.environ import envs
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from test_parallel_info_nonblocking import (
@@ -649,6 +650,31 @@ class TestBackgroundRouteSetup(_Base):
         route.release.set()
         drain(mgr)
         self.assertEqual(queued.poll(), KVPoll.WaitingForInput)
+
+    def test_a_setup_queued_behind_one_that_never_ends_ends_by_the_waiting_timeout(
+        self,
+    ):
+        # A trickling bootstrap server holds the prefill's threads for good:
+        # the queued setup is bounded by the waiting timeout, then its lookups'.
+        clock, mgr = fake_clock_and_manager(self, workers=1)
+        cache_info(mgr, ADDR, dict(PREFILL_INFO, attn_tp_size=2))
+        route = self.patch_route(BlockingRoute(block=True))
+        self.addCleanup(route.release.set)
+        CommonKVReceiver(mgr, ADDR, 1).init(0)
+        self.assertTrue(route.entered.wait(_WAIT_S))
+        queued = CommonKVReceiver(mgr, ADDR, 2)
+        queued.init(1)
+        waiting_timeout = envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
+        bound = 2 * conn_mod.BOOTSTRAP_QUERY_TIMEOUT_S  # two lookups
+        clock.now += waiting_timeout - 1
+        self.assertEqual(queued.poll(), KVPoll.Bootstrapping)
+        clock.now += bound - 1  # past the waiting timeout: the clock runs on
+        self.assertEqual(queued.poll(), KVPoll.Bootstrapping)
+        clock.now += 1
+        self.assertEqual(queued.poll(), KVPoll.Failed)
+        self.assertIn(
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", mgr.failure_records[2]
+        )
 
     def test_eviction_during_the_setup_caches_nothing(self):
         route = self.patch_route(BlockingRoute(block=True))

@@ -491,10 +491,13 @@ class AbortAck(msgspec.Struct, frozen=True):
 class DeferredAbortAckState(msgspec.Struct):
     generation: int
     prefill_ranks: Set[int]
+    read: bool = False  # acked by a prefill with deferred release off
 
 
 class CommonKVManager(BaseKVManager):
     defer_decode_allocation: bool = False
+    # Its prefill acks an ABORT with deferred release off ([ABORT_ACK, room]).
+    legacy_abort_ack: bool = False
     deferred_bootstrap: Optional[DeferredBootstrap] = None
     _staging_ctx = None
     # Prefill side: what serves the KV transfers, in place of 0.5.23's
@@ -1329,11 +1332,12 @@ class CommonKVManager(BaseKVManager):
             return False
         # With deferred release off too: decode.py fences pages until it.
         if len(msg) == 2 and msg[1].isdigit():
-            # A prefill with deferred release off acks, with no rank, once its
-            # abort handler failed the room: no chunk of it starts after that.
+            # A prefill with deferred release off acks on reading the ABORT,
+            # with no rank: no chunk of the room starts after it, but one may
+            # still be in flight, so it ends a fence at the release deadline.
             state = self._deferred_abort_ack_tracker.get(int(msg[1]))
             if state is not None:
-                state.prefill_ranks.add(-1 - len(state.prefill_ranks))
+                state.read = True
             return True
         ack = AbortAck.from_zmq(msg)
         if ack is None:
@@ -1352,6 +1356,10 @@ class CommonKVManager(BaseKVManager):
         state = self._deferred_abort_ack_tracker.get(bootstrap_room)
         acks = state.prefill_ranks if state is not None else ()
         return len(acks) >= required_acks
+
+    def abort_was_read(self, bootstrap_room: int) -> bool:
+        state = self._deferred_abort_ack_tracker.get(bootstrap_room)
+        return state is not None and state.read
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         self._deferred_abort_ack_tracker.pop(bootstrap_room, None)
@@ -2950,10 +2958,10 @@ class CommonKVSender(BaseKVSender):
 
 class CommonKVReceiver(BaseKVReceiver):
     _prefill_wait_start: Optional[float] = None
-    # init() waiting for CommonKVManager.setup_bootstrap_routes(); poll() goes
-    # on with it once it has ended.
+    # init()'s pending setup_bootstrap_routes(): poll() goes on once it ended.
     _route_setup: Optional[concurrent.futures.Future] = None
     _route_setup_at: float = 0.0
+    _route_queued_at: float = 0.0
     _owns_bootstrap_room: bool = True
     _lifecycle_lock = nullcontext()
 
@@ -3049,7 +3057,7 @@ class CommonKVReceiver(BaseKVReceiver):
             # A connection_pool miss asks the prefill's bootstrap server for
             # each target rank: not on the scheduler thread.
             self._route_setup = self.kv_mgr.setup_bootstrap_routes(self)
-            self._route_setup_at = time.monotonic()
+            self._route_setup_at = self._route_queued_at = time.monotonic()
             return
         self._setup_bootstrap_infos()
         if self.conclude_state == KVPoll.Failed:
@@ -3123,7 +3131,10 @@ class CommonKVReceiver(BaseKVReceiver):
         runs. Never waits: a setup that outlives every lookup's bound (a peer
         that trickles) fails the request."""
         setup = self._route_setup
-        if not setup.running():  # queued: its lookups' bound starts when they do
+        # Queued, its lookups' bound starts when they do (within the timeout).
+        waited = time.monotonic() - self._route_queued_at
+        waiting_timeout = envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
+        if not setup.running() and waited < waiting_timeout:
             self._route_setup_at = time.monotonic()
         cp, tp, pp = self.target_cp_ranks, self.target_tp_ranks, self.target_pp_ranks
         bound = BOOTSTRAP_QUERY_TIMEOUT_S * max(1, len(cp) * len(tp) * len(pp))
@@ -3140,8 +3151,9 @@ class CommonKVReceiver(BaseKVReceiver):
             cached = False
             reason = (
                 f"The bootstrap info lookups to prefill {self.bootstrap_addr} have "
-                f"not ended {bound} s after they started: check its bootstrap "
-                f"server and the network to it."
+                f"not ended {bound} s after they started, or could not start within "
+                f"SGLANG_DISAGGREGATION_WAITING_TIMEOUT: check its bootstrap server "
+                f"and the network to it."
             )
         self._route_setup = None
         if cached:
