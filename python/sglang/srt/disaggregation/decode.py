@@ -401,11 +401,10 @@ class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
     metadata slots before its KV arrives, in transfer or fenced. One that has
     served none of them since the first was admitted is stalled, and may hold
-    its share of the pool, the stalled together at most half. With none in
+    its share of the pool: the stalled together half of it. With none in
     transfer it gets one request over while they hold less than half: a
     request larger than any share starts, one that recovers is served again,
-    and however many hang for good they hold half the pool and a request
-    each at most, forever. Built from the queues and transfers served, alike
+    and however many hang for good they hold about half the pool, forever. Built from the queues and transfers served, alike
     on every attention-TP rank: every rank decides alike, with no collective
     and no clock."""
 
@@ -436,12 +435,7 @@ class _PrefillShares:
             entry[:3] = entry[0] + tokens, entry[1] + 1, entry[2] + 1
 
     def _over(self, held: List[int], tokens: int) -> bool:
-        stalled = self.stalled_held
-        return (
-            held[0] + tokens > self.tokens
-            or held[1] >= self.slots
-            or (stalled[0] + tokens > self.half[0] or stalled[1] >= self.half[1])
-        )
+        return held[0] + tokens > self.tokens or held[1] >= self.slots
 
 
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
@@ -3353,7 +3347,8 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         if (
             receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr) is not info
             or (self._served or {}).get(key, 0) != served
-            or receiver.kv_mgr.abort_was_read(decode_req.req.bootstrap_room)
+            or receiver.kv_mgr.abort_read_by(decode_req.req.bootstrap_room)
+            >= len(receiver.bootstrap_infos)
         ):
             return False
         if resend_at is None:

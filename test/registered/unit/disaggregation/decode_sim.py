@@ -213,10 +213,10 @@ class FakeKVManager:
         drained = self.world.acked(room, self.world.prefills[addr])
         return drained and self.enable_deferred_decode_kv_release
 
-    def abort_was_read(self, room: int) -> bool:
+    def abort_read_by(self, room: int) -> int:
         addr = self.rank.room_prefill[room]
         read = self.world.acked(room, self.world.prefills[addr])
-        return read and not self.enable_deferred_decode_kv_release
+        return int(read and not self.enable_deferred_decode_kv_release)
 
     def clear_deferred_abort_state(self, room: int) -> None:
         pass

@@ -491,7 +491,7 @@ class AbortAck(msgspec.Struct, frozen=True):
 class DeferredAbortAckState(msgspec.Struct):
     generation: int
     prefill_ranks: Set[int]
-    read: bool = False  # acked by a prefill with deferred release off
+    read: int = 0  # ACKs of prefill ranks with deferred release off (no rank)
 
 
 class CommonKVManager(BaseKVManager):
@@ -1337,7 +1337,7 @@ class CommonKVManager(BaseKVManager):
             # still be in flight, so it ends a fence at the release deadline.
             state = self._deferred_abort_ack_tracker.get(int(msg[1]))
             if state is not None:
-                state.read = True
+                state.read += 1
             return True
         ack = AbortAck.from_zmq(msg)
         if ack is None:
@@ -1357,9 +1357,9 @@ class CommonKVManager(BaseKVManager):
         acks = state.prefill_ranks if state is not None else ()
         return len(acks) >= required_acks
 
-    def abort_was_read(self, bootstrap_room: int) -> bool:
+    def abort_read_by(self, bootstrap_room: int) -> int:
         state = self._deferred_abort_ack_tracker.get(bootstrap_room)
-        return state is not None and state.read
+        return state.read if state is not None else 0
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         self._deferred_abort_ack_tracker.pop(bootstrap_room, None)
@@ -3565,8 +3565,10 @@ class CommonKVReceiver(BaseKVReceiver):
         # unarmed -- except on a partial publish, where init_time is still None
         # but earlier ranks already hold destinations; those callers defer and
         # pass force_arm.
-        # With deferred release off too: decode.py fences pages until the ACK.
-        if force_arm or self.init_time is not None:
+        # force_arm with deferred release off too: decode.py's fences.
+        if force_arm or (
+            self.kv_mgr.enable_deferred_decode_kv_release and self.init_time is not None
+        ):
             self._abort_generation = self.kv_mgr.register_deferred_abort_room(
                 self.bootstrap_room
             )
