@@ -2249,9 +2249,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         return need_space_for_single_req
 
     def _share_tokens(self, req: Req) -> int:
-        """What a request holds of the decode until its KV arrives: its
-        prompt's KV and the decode headroom reserved for it."""
-        return len(req.origin_input_ids) + self.num_reserved_decode_tokens
+        """The pages a request holds until its KV arrives: its prompt's. The
+        decode headroom reserved for it is 0.5.23's to count."""
+        return len(req.origin_input_ids)
 
     def _prefill_shares(self) -> _PrefillShares:
         transfer_queue = self.transfer_queue
