@@ -404,9 +404,9 @@ class _PrefillShares:
     its share of the pool: the stalled together half of it. With none in
     transfer it gets one request over while they hold less than half: a
     request larger than any share starts, one that recovers is served again,
-    and however many hang for good they hold about half the pool, forever. Built from the queues and transfers served, alike
-    on every attention-TP rank: every rank decides alike, with no collective
-    and no clock."""
+    and however many hang for good they hold about half the pool. Built from
+    the queues and transfers served, so every attention-TP rank decides alike,
+    with no collective and no clock."""
 
     def __init__(self, held: Dict, served: Dict, tokens, slots):
         # prefill -> [tokens, slots, in transfer, served_before of the oldest]
@@ -420,10 +420,13 @@ class _PrefillShares:
         self.stalled_held = [sum(held[p][i] for p in self.stalled) for i in range(3)]
 
     def over(self, prefill, tokens: int) -> bool:
-        if prefill not in self.stalled or not self._over(self.held[prefill], tokens):
+        held = self.held.get(prefill)
+        if prefill not in self.stalled or (
+            held[0] + tokens <= self.tokens and held[1] < self.slots
+        ):
             return False
         past_half = any(h >= m for h, m in zip(self.stalled_held, self.half))
-        return self.held[prefill][2] > 0 or past_half
+        return held[2] > 0 or past_half
 
     def hold(self, prefill, tokens: int, served_before: int) -> None:
         held = self.held.get(prefill)
@@ -433,9 +436,6 @@ class _PrefillShares:
         entries = (held, self.stalled_held) if prefill in self.stalled else (held,)
         for entry in entries:
             entry[:3] = entry[0] + tokens, entry[1] + 1, entry[2] + 1
-
-    def _over(self, held: List[int], tokens: int) -> bool:
-        return held[0] + tokens > self.tokens or held[1] >= self.slots
 
 
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
@@ -1352,15 +1352,13 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if self._resolve_prefill_dp_rank(decode_req.req) is not None:
                 continue
             key = (bootstrap_addr, decode_req.req.bootstrap_room)
-            last_attempt = self._ensure_last_attempt_time.get(key)
-            if (
-                last_attempt is None
-                or now - last_attempt >= self._ensure_retry_interval
-            ):
-                rooms.append(decode_req.req.bootstrap_room)
-                self._ensure_last_attempt_time[key] = now
-                # A room's entry is when it was first asked: its budget is time.
-                self._ensure_retry_count.setdefault(key, now)
+            last_attempt = self._ensure_last_attempt_time.get(key, float("-inf"))
+            if now - last_attempt < self._ensure_retry_interval:
+                continue
+            rooms.append(decode_req.req.bootstrap_room)
+            self._ensure_last_attempt_time[key] = now
+            # A room's entry is when it was first asked: its budget is time.
+            self._ensure_retry_count.setdefault(key, now)
         if not rooms:
             return
         future = self.kv_manager._ensure_prefill_recompute_executor().submit(
@@ -1379,12 +1377,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         if not future.done():
             # Its rooms were asked at once; a request that ended since (an
             # abort) took its room's time along, and with none left it is stale.
-            asked_at = max(
-                self._ensure_last_attempt_time.get(
-                    (bootstrap_addr, room), float("-inf")
-                )
-                for room in rooms
-            )
+            times = self._ensure_last_attempt_time
+            asked_at = max(times.get((bootstrap_addr, r), float("-inf")) for r in rooms)
             if now - asked_at < BOOTSTRAP_QUERY_TIMEOUT_S:
                 return {}
             if asked_at > float("-inf"):

@@ -8,11 +8,12 @@ no sleeps: a fetch is held on a ``threading.Event``.
 
 import threading
 import unittest
+from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from test_no_network_on_scheduler_thread import make_decode_manager
-from test_parallel_info_nonblocking import ADDR, FakeGet, patch_get
+from test_parallel_info_nonblocking import ADDR, FakeGet, conn_mod, patch_get
 
 register_cpu_ci(est_time=3, suite="base-a-test-cpu")
 
@@ -52,6 +53,36 @@ class TestNodeFailure(CustomTestCase):
         self.assertFalse(self.mgr.has_parallel_info(ADDR))
         self.assertFalse(self.mgr.try_ensure_parallel_info(ADDR))
         self.mgr._parallel_info_executor.futures[1].result(timeout=_WAIT_S)
+        self.assertTrue(self.mgr.has_parallel_info(ADDR))
+
+    def test_a_fetch_from_before_the_failure_ending_after_a_newer_one_started(self):
+        # The failure lets the next request fetch at once, so the old fetch
+        # can end while the new one runs: it must still publish nothing.
+        old, new = FakeGet("block"), FakeGet("block")
+        fetches = iter([old, new, FakeGet()])
+        self.addCleanup(old.release.set)
+        self.addCleanup(new.release.set)
+        patcher = mock.patch.object(
+            conn_mod.requests, "get", lambda url, timeout=None: next(fetches)(url)
+        )
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        self.assertFalse(self.mgr.try_ensure_parallel_info(ADDR))
+        self.assertTrue(old.entered.wait(_WAIT_S))
+        self.mgr._handle_node_failure(ADDR)
+        self.assertFalse(self.mgr.try_ensure_parallel_info(ADDR))
+        self.assertTrue(new.entered.wait(_WAIT_S))
+
+        old.release.set()
+        self.mgr._parallel_info_executor.futures[0].result(timeout=_WAIT_S)
+        self.assertFalse(self.mgr.has_parallel_info(ADDR))
+
+        new.release.set()
+        self.mgr._parallel_info_executor.futures[1].result(timeout=_WAIT_S)
+        # The old fetch may have taken the new one's in-flight marker with it;
+        # then the next request fetches once more.
+        if not self.mgr.try_ensure_parallel_info(ADDR):
+            self.mgr._parallel_info_executor.futures[-1].result(timeout=_WAIT_S)
         self.assertTrue(self.mgr.has_parallel_info(ADDR))
 
 

@@ -138,10 +138,11 @@ def _mooncake_prefill(workers=2):
     mgr._transfer_scheduler = _TransferScheduler(
         first_contact=mgr._probe_before_first_transfer
     )
+    mgr.bootstrap_port = 8998
     for _ in range(workers):
         threading.Thread(
-            target=mgr.transfer_worker,
-            args=(mgr._transfer_scheduler.worker_queue(), None),
+            target=conn_mod._run_transfer_worker,
+            args=(mgr.transfer_worker, mgr._transfer_scheduler.worker_queue(), None),
             daemon=True,
         ).start()
     return mgr
@@ -413,6 +414,53 @@ class TestMooncakeScheduler(CustomTestCase):
         _room(mgr, 2, SICK)
         self.assertEqual(_wait_status(mgr, 2), KVPoll.Success)
         self.assertEqual(mgr.engine.probed[probed:], [SICK])
+
+
+class _ClearedOnRead(dict):
+    """request_status whose room ``room``, once Success, is cleared (as the
+    scheduler thread's clear() does) right after a worker finds it there."""
+
+    room = None
+
+    def __contains__(self, key):
+        found = super().__contains__(key)
+        if key == self.room and self.get(key) == KVPoll.Success:
+            self.room = None
+            self.pop(key, None)
+        return found
+
+
+class TestMooncakeWorkerSurvives(CustomTestCase):
+    def test_a_room_cleared_while_its_worker_reads_its_status(self):
+        # 0.5.23 reads it twice (`room not in request_status or
+        # check_status(room)`): the KeyError between killed the worker, and no
+        # later room to that decode was served (bench F, run-5d82665).
+        mgr = TestMooncakeScheduler.start(self, workers=1)
+        mgr.request_status = _ClearedOnRead()
+        _room(mgr, 1, HEALTHY)
+        self.assertTrue(mgr.entered[HEALTHY].wait(_WAIT_S))
+        mgr.request_status.room = 1
+        mgr.gates[HEALTHY].set()
+        self.assertEqual(_wait_status(mgr, 1), KVPoll.Success)
+        _room(mgr, 2, HEALTHY)
+        self.assertEqual(_wait_status(mgr, 2), KVPoll.Success)
+
+    def test_a_worker_that_dies_leaves_its_decode_to_the_others(self):
+        mgr = TestMooncakeScheduler.start(self, workers=2)
+        send_kvcache = mgr.send_kvcache
+
+        def fails_once(session_id, prefill_kv_indices, *args, **kwargs):
+            if not mgr.sent:
+                mgr.sent.append((session_id, "raised"))
+                raise ValueError("a bug in the worker")
+            return send_kvcache(session_id, prefill_kv_indices, *args, **kwargs)
+
+        mgr.send_kvcache = fails_once
+        mgr.gates[HEALTHY].set()
+        _room(mgr, 1, HEALTHY)
+        _room(mgr, 2, HEALTHY)
+        self.assertEqual(_wait_status(mgr, 2), KVPoll.Success)
+        self.assertEqual(mgr.sent, [(HEALTHY, "raised"), (HEALTHY, 0)])
 
 
 class TestPrefillSendsNeverWait(CustomTestCase):

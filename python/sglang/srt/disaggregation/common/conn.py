@@ -278,12 +278,7 @@ class _WorkerQueue:
     def get(self):
         scheduler = self._scheduler
         with scheduler._lock:
-            done = self._destination
-            if done is not None and scheduler._chunks[done]:
-                scheduler._turns.append(done)
-            elif done is not None:
-                del scheduler._chunks[done]
-            self._destination = None
+            self._leave()
             while not scheduler._turns and not scheduler._stopped:
                 scheduler._ready.wait()
             if scheduler._stopped:
@@ -298,6 +293,26 @@ class _WorkerQueue:
         if first and scheduler._first_contact is not None:
             scheduler._first_contact(destination)
         return chunk
+
+    def _leave(self) -> None:
+        done, self._destination = self._destination, None
+        if done is not None and self._scheduler._chunks[done]:
+            self._scheduler._turns.append(done)
+            self._scheduler._ready.notify()
+        elif done is not None:
+            del self._scheduler._chunks[done]
+
+
+def _run_transfer_worker(transfer_worker, queue, *args) -> None:
+    """A transfer worker's thread. One that dies of an error (0.5.23 re-raises
+    it) leaves its destination to the other workers, which would otherwise
+    never take that decode's chunks again."""
+    try:
+        transfer_worker(queue, *args)
+    finally:
+        if isinstance(queue, _WorkerQueue):
+            with queue._scheduler._lock:
+                queue._leave()
 
 
 class KVTransferError(Exception):
@@ -738,6 +753,8 @@ class CommonKVManager(BaseKVManager):
             self._prefill_recompute_executor = self._parallel_info_executor
             # Addrs with a parallel-info fetch outstanding, under connection_lock.
             self._parallel_info_inflight: Set[str] = set()
+            # Heartbeat failures: a fetch that saw one publishes nothing.
+            self._node_failure_count = 0
             # A config mismatch found on the fetch thread, re-raised on the
             # scheduler thread by raise_parallel_info_error().
             self._parallel_info_fatal: Optional[BaseException] = None
@@ -1805,6 +1822,7 @@ class CommonKVManager(BaseKVManager):
         """Fetch-executor body: fetch, check and cache the parallel info of
         ``bootstrap_addr``, and clear its in-flight marker in every outcome."""
         info = None
+        failures = getattr(self, "_node_failure_count", 0)
         try:
             info = self._fetch_parallel_info(bootstrap_addr)
             if info is not None:
@@ -1822,8 +1840,12 @@ class CommonKVManager(BaseKVManager):
         finally:
             with self.connection_lock:
                 # Not if given up (abandon_parallel_info_fetch), or if the
-                # heartbeat failed this prefill meanwhile: it may be stale.
-                if info is not None and bootstrap_addr in self._parallel_info_inflight:
+                # heartbeat failed a prefill meanwhile: it may be stale.
+                if (
+                    info is not None
+                    and bootstrap_addr in self._parallel_info_inflight
+                    and getattr(self, "_node_failure_count", 0) == failures
+                ):
                     self.prefill_info_table[bootstrap_addr] = info
                 self._parallel_info_inflight.discard(bootstrap_addr)
         if info is not None:
@@ -2563,6 +2585,7 @@ class CommonKVManager(BaseKVManager):
             # A fetch still running for it publishes nothing: what it got may
             # predate the failure. The next request fetches again.
             self._parallel_info_inflight.discard(failed_bootstrap_addr)
+            self._node_failure_count = getattr(self, "_node_failure_count", 0) + 1
             # A prefill that a later request reaches again starts with no
             # misses; a kept count would drop it at its first missed heartbeat.
             self.heartbeat_failures.pop(failed_bootstrap_addr, None)

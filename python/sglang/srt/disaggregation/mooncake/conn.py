@@ -24,6 +24,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    _run_transfer_worker,
     _TransferScheduler,
 )
 from sglang.srt.disaggregation.common.staging_handler import (
@@ -370,8 +371,9 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 # P->D->P flip that re-enters PREFILL leaks threads
                 # (each parked forever in FastQueue.get()).
                 t = threading.Thread(
-                    target=self.transfer_worker,
+                    target=_run_transfer_worker,
                     args=(
+                        self.transfer_worker,
                         queue,
                         executor,
                         (
@@ -2548,9 +2550,10 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 # A room that already failed skips the wait; the status check
                 # below then drops the chunk, including on an abort during it.
                 if kv_chunk.wait_event is not None:
+                    # One read: the scheduler thread may clear the room between two.
                     if (
-                        kv_chunk.room in self.request_status
-                        and self.check_status(kv_chunk.room) != KVPoll.Failed
+                        self.request_status.get(kv_chunk.room, KVPoll.Failed)
+                        != KVPoll.Failed
                     ):
                         kv_chunk.wait_event.synchronize()
                     kv_chunk.wait_event = None
@@ -2561,8 +2564,8 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                     kv_chunk.prefill_kv_indices = kv_chunk.prefill_kv_indices.numpy()
 
                 if (
-                    kv_chunk.room not in self.request_status
-                    or self.check_status(kv_chunk.room) == KVPoll.Failed
+                    self.request_status.get(kv_chunk.room, KVPoll.Failed)
+                    == KVPoll.Failed
                 ):
                     logger.debug(
                         f"Skipping chunk for room {kv_chunk.room} because it has already failed or been aborted"
@@ -2870,13 +2873,11 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 # chunk. A non-last Failed chunk keeps the room (more chunks may
                 # follow), not on the last chunk alone since an earlier deferred
                 # chunk may still need to transfer.
+                room_status = self.request_status.get(kv_chunk.room)
                 if self._staging_outstanding.get(kv_chunk.room, 0) <= 0 and (
-                    kv_chunk.room not in self.request_status
-                    or self.check_status(kv_chunk.room) == KVPoll.Success
-                    or (
-                        kv_chunk.is_last_chunk
-                        and self.check_status(kv_chunk.room) == KVPoll.Failed
-                    )
+                    room_status is None
+                    or room_status == KVPoll.Success
+                    or (kv_chunk.is_last_chunk and room_status == KVPoll.Failed)
                 ):
                     if kv_chunk.room in self.transfer_infos:
                         self.transfer_infos.pop(kv_chunk.room)
@@ -3128,11 +3129,9 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
 
     def _probe_before_first_transfer(self, sessions: tuple) -> None:
         """On a transfer worker, before the first chunk to these decode
-        sessions. The engine opens a peer's segment at the first transfer,
-        under a lock every transfer takes, and a peer that accepts the
-        connection but does not answer holds that lock for about 60 s. The
-        probe takes no such lock: one that fails marks the session failed,
-        and its rooms fail at once instead."""
+        sessions. A peer that accepts the engine's connection but does not
+        answer holds the segment lock every transfer takes for about 60 s; the
+        probe takes none, and one that fails marks the session failed."""
         for session_id in sessions:
             with self.session_lock:
                 if session_id in self.failed_sessions:

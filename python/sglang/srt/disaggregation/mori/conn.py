@@ -36,6 +36,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    _run_transfer_worker,
     _TransferScheduler,
 )
 from sglang.srt.disaggregation.common.utils import (
@@ -427,8 +428,8 @@ class MoriKVManager(CommonKVManager):
                 # P->D->P flip that re-enters PREFILL leaks _num_shards threads
                 # (each parked forever in FastQueue.get()).
                 t = threading.Thread(
-                    target=self._transfer_worker,
-                    args=(queue,),
+                    target=_run_transfer_worker,
+                    args=(self._transfer_worker, queue),
                     daemon=True,
                     name=(
                         f"mori-xfer-dp{self.system_dp_rank}-"

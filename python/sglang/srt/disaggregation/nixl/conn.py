@@ -27,6 +27,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    _run_transfer_worker,
     _TransferScheduler,
 )
 from sglang.srt.disaggregation.common.staging_handler import (
@@ -766,8 +767,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                     else None
                 )
                 threading.Thread(
-                    target=self.transfer_worker,
-                    args=(queue, staging_buffer, i),
+                    target=_run_transfer_worker,
+                    args=(self.transfer_worker, queue, staging_buffer, i),
                     daemon=True,
                 ).start()
             self._start_bootstrap_thread()
