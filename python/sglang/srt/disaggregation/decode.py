@@ -24,7 +24,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import deque
+from collections import defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -49,6 +49,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     PrefillServerInfo,
+    _PeerMetrics,
 )
 from sglang.srt.disaggregation.decode_hicache_mixin import (
     DecodeHiCachePreallocMixin,
@@ -397,6 +398,24 @@ def _kv_pool_on_host(pool) -> bool:
     return str(getattr(pool, "device", "")).split(":", 1)[0] == "cpu"
 
 
+def _peer_metrics(decode_req: DecodeRequest) -> Optional[_PeerMetrics]:
+    kv_mgr = getattr(decode_req.kv_receiver, "kv_mgr", None)
+    metrics = getattr(kv_mgr, "peer_metrics", None)
+    return metrics if isinstance(metrics, _PeerMetrics) else None
+
+
+def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
+    """Count a failed request in its prefill's series for /metrics."""
+    metrics = _peer_metrics(decode_req)
+    if metrics is None or _is_fake_transfer(decode_req.req):
+        return
+    if "Lost connection with prefill" in reason:
+        stage = "heartbeat"
+    elif "TIMEOUT" in reason.upper():
+        stage = "timeout"
+    metrics.failures[_bootstrap_addr(decode_req.req), stage] += 1
+
+
 class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
     metadata slots before its KV arrives, in transfer or fenced. One that has
@@ -442,6 +461,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     """
     Store the requests that are preallocating.
     """
+
+    _peer_metrics_due: float = 0.0  # when _publish_peer_metrics next builds
 
     def __init__(
         self,
@@ -1237,6 +1258,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                     _is_fake_transfer(decode_req.req)
                 ):
                     self.scheduler.metrics_collector.increment_bootstrap_failed_reqs()
+                _note_failed(decode_req, "bootstrap", error_message)
             else:
                 raise ValueError(f"Unexpected poll case: {poll}")
 
@@ -1638,6 +1660,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         shares = self._prefill_shares()
         skipped: Set = set()  # prefills held at their share this cycle
         now = time.monotonic()
+        self._publish_peer_metrics(shares, now)
 
         # Then, preallocate the remaining requests if possible
         for i, decode_req in enumerate(self.queue):
@@ -2296,6 +2319,65 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 f"be retried on another prefill.",
             )
         return True
+
+    def _publish_peer_metrics(self, shares: _PrefillShares, now: float) -> None:
+        """Per-prefill series for /metrics, built at most once a second for the
+        kv manager's metrics thread to write: no lock or I/O here."""
+        metrics = getattr(self.kv_manager, "peer_metrics", None)
+        if not isinstance(metrics, _PeerMetrics) or now < self._peer_metrics_due:
+            return
+        self._peer_metrics_due = now + 1.0
+        kv, transfer_queue = self.kv_manager, self.transfer_queue
+        rows = defaultdict(lambda: defaultdict(float))
+        for prefill, (tokens, reqs, *_) in shares.held.items():
+            row = rows[prefill[0]]
+            row["held_tokens"] += tokens
+            row["held_reqs"] += reqs
+            if prefill in shares.stalled and shares.over(prefill, 0):
+                row["state"] = 2
+        fences = transfer_queue._fences or {}
+        for decode_req, *_ in transfer_queue._deferred_releases:
+            if id(decode_req) in fences:
+                tokens = self._share_tokens(decode_req.req)
+                rows[_bootstrap_addr(decode_req.req)]["fenced_tokens"] += tokens
+        for decode_req in (*self.queue, *self.pending_reqs):
+            if not _is_fake_transfer(decode_req.req):
+                rows[_bootstrap_addr(decode_req.req)]["waiting_reqs"] += 1
+        served_at, failures, gone = metrics.served_at, metrics.failures, metrics.gone
+        known = {*served_at, *(a for a, _ in failures)}
+        for addr in [a for a in gone if a in rows or a in kv.prefill_info_table]:
+            del gone[addr]  # back
+        for addr in known - rows.keys() - {*kv.prefill_info_table}:
+            # Failed, with no request left: its series stay a minute, for a
+            # scrape to see how it ended, then go.
+            if now - gone.setdefault(addr, now) >= 60:
+                del gone[addr]
+                served_at.pop(addr, None)
+                for kind in [k for a, k in failures if a == addr]:
+                    del failures[addr, kind]
+        setups = list(kv._route_setups)
+        out = []
+        for addr in {*rows, *kv.prefill_info_table, *served_at, *gone}:
+            row, labels = rows[addr], {**kv.peer_metric_labels, "prefill": addr}
+            if addr not in kv.prefill_info_table and addr in known:
+                row["state"] = 3  # it served or failed before
+            elif kv.heartbeat_failures.get(addr, 0) and not row["state"]:
+                row["state"] = 1
+            if addr in served_at:
+                row["seconds_since_transfer"] = now - served_at[addr]
+            row["fetches_in_flight"] = (
+                kv.parallel_info_fetch_in_flight(addr)
+                + sum(key[0] == addr for key in setups)
+                + (addr in self._prefill_dp_rank_queries)
+            )
+            for name in ("held_tokens", "held_reqs", "fenced_tokens", "waiting_reqs"):
+                row[name] += 0
+            row["state"] += 0
+            out += [(f"sglang:pd_prefill_{n}", labels, v) for n, v in row.items()]
+        for (addr, kind), n in failures.items():
+            labels = {**kv.peer_metric_labels, "prefill": addr, "kind": kind}
+            out.append(("sglang:pd_prefill_failures", labels, n))
+        metrics.rows = out
 
     def _note_admitted(self, decode_req: DecodeRequest, shares: _PrefillShares):
         if _is_fake_transfer(decode_req.req):
@@ -3184,6 +3266,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                 )
                 indices_to_remove.add(i)
                 self._record_transfer_failure(failure_reason)
+                _note_failed(decode_req, "transfer", error_message)
                 continue
             elif poll == KVPoll.Success:
                 self._note_served(decode_req)
@@ -3311,6 +3394,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         self._served = self._served or {}
         key = self._prefill_of(decode_req)
         self._served[key] = self._served.get(key, 0) + 1
+        metrics = _peer_metrics(decode_req)
+        if metrics is not None:
+            metrics.served_at[key[0]] = time.monotonic()
 
     def _fence(self, decode_req: DecodeRequest) -> None:
         """Note its prefill's info (replaced once failed) and transfers served."""

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -233,6 +235,10 @@ class _TransferScheduler:
         self._turns: deque = deque()
         self._contacted: Dict[tuple, None] = {}  # oldest first
         self._stopped = False
+        # For /metrics: when the chunk each busy destination's worker sends was
+        # queued, and rooms failed by (destination, kind).
+        self._sending: Dict[tuple, float] = {}
+        self._failed: Dict[Tuple[tuple, str], int] = defaultdict(int)
 
     def put(self, destination: tuple, chunk) -> None:
         with self._lock:
@@ -241,7 +247,33 @@ class _TransferScheduler:
                 chunks = self._chunks[destination] = deque()
                 self._turns.append(destination)
                 self._ready.notify()
-            chunks.append(chunk)
+            chunks.append((time.monotonic(), chunk))
+
+    def note_failed(self, destination: tuple, kind: str) -> None:
+        with self._lock:
+            self._failed[destination, kind] += 1
+
+    def metric_rows(self, labels: Dict[str, str]) -> list:
+        now, rows = time.monotonic(), []
+        with self._lock:
+            for key in list(self._failed):
+                if key[0] not in self._chunks and key[0] not in self._contacted:
+                    del self._failed[key]  # a decode gone: its series go
+            for (destination, kind), n in self._failed.items():
+                peer = {**labels, "decode": ",".join(destination), "kind": kind}
+                rows.append(("sglang:pd_decode_rooms_failed", peer, n))
+            for destination, chunks in self._chunks.items():
+                peer = {**labels, "decode": ",".join(destination)}
+                sending = self._sending.get(destination)
+                oldest = chunks[0][0] if sending is None else sending
+                rooms = {getattr(chunk, "room", None) for _, chunk in chunks}
+                rows += [
+                    ("sglang:pd_decode_rooms_queued", peer, len(rooms)),
+                    ("sglang:pd_decode_rooms_in_flight", peer, sending is not None),
+                    ("sglang:pd_decode_oldest_chunk_age_seconds", peer, now - oldest),
+                ]
+            busy = len(self._sending)
+        return rows + [("sglang:pd_transfer_workers_busy", labels, busy)]
 
     def forget(self, member) -> None:
         """The destinations with ``member`` (a decode that failed) get a first
@@ -284,7 +316,8 @@ class _WorkerQueue:
             if scheduler._stopped:
                 return None
             destination = self._destination = scheduler._turns.popleft()
-            chunk = scheduler._chunks[destination].popleft()
+            queued_at, chunk = scheduler._chunks[destination].popleft()
+            scheduler._sending[destination] = queued_at
             first = destination not in scheduler._contacted
             if first:
                 scheduler._contacted[destination] = None
@@ -296,6 +329,7 @@ class _WorkerQueue:
 
     def _leave(self) -> None:
         done, self._destination = self._destination, None
+        self._scheduler._sending.pop(done, None)
         if done is not None and self._scheduler._chunks[done]:
             self._scheduler._turns.append(done)
             self._scheduler._ready.notify()
@@ -313,6 +347,135 @@ def _run_transfer_worker(transfer_worker, queue, *args) -> None:
         if isinstance(queue, _WorkerQueue):
             with queue._scheduler._lock:
                 queue._leave()
+
+
+# Per-peer series for /metrics (--enable-metrics): name -> (type, help).
+PD_PEER_METRICS = {
+    "sglang:pd_prefill_held_tokens": (
+        "gauge",
+        "Prompt tokens of the decode's KV held for requests to this prefill "
+        "whose KV has not arrived, fenced ones included.",
+    ),
+    "sglang:pd_prefill_held_reqs": (
+        "gauge",
+        "Requests to this prefill holding decode KV and a metadata slot.",
+    ),
+    "sglang:pd_prefill_fenced_tokens": (
+        "gauge",
+        "Held tokens past the release timeout: the prefill may still write them.",
+    ),
+    "sglang:pd_prefill_waiting_reqs": (
+        "gauge",
+        "Requests to this prefill waiting for decode KV.",
+    ),
+    "sglang:pd_prefill_state": (
+        "gauge",
+        "0 answering, 1 missed a heartbeat, 2 held at its share, 3 failed.",
+    ),
+    "sglang:pd_prefill_seconds_since_transfer": (
+        "gauge",
+        "Seconds since a transfer from this prefill to the decode last ended.",
+    ),
+    "sglang:pd_prefill_fetches_in_flight": (
+        "gauge",
+        "Bootstrap queries from the decode to this prefill running now.",
+    ),
+    "sglang:pd_prefill_failures": (
+        "counter",
+        "Requests to this prefill failed on the decode, by kind: bootstrap, "
+        "transfer, heartbeat, timeout.",
+    ),
+    "sglang:pd_decode_rooms_queued": (
+        "gauge",
+        "Rooms queued on the prefill for this decode destination.",
+    ),
+    "sglang:pd_decode_rooms_in_flight": (
+        "gauge",
+        "Rooms a prefill transfer worker is sending to this decode now.",
+    ),
+    "sglang:pd_decode_oldest_chunk_age_seconds": (
+        "gauge",
+        "Age of the oldest KV chunk for this decode not yet sent.",
+    ),
+    "sglang:pd_decode_rooms_failed": (
+        "counter",
+        "Rooms failed to this decode, by kind: session (known failed), transfer.",
+    ),
+    "sglang:pd_transfer_workers_busy": (
+        "gauge",
+        "Transfer workers of the prefill sending now.",
+    ),
+}
+
+
+class _PeerMetrics:
+    """Writes a process's per-peer series for sglang's /metrics. sglang runs
+    prometheus_client in multiprocess mode, where a series once written stays
+    until its process exits; so they are written whole every ``interval`` s,
+    a file per type in PROMETHEUS_MULTIPROC_DIR replaced atomically, and a
+    peer gone is gone from the next file. ``rows()`` runs on this object's own
+    thread and returns [(name, labels, value)]."""
+
+    rows: list = []  # what rows() returns without one: set by the decode
+
+    def __init__(self, rows: Optional[Callable], directory: str, interval=1.0):
+        tag = f"{os.getpid()}pd{id(self)}"  # no "_": the collector splits on it
+        self._paths = {
+            "gauge": os.path.join(directory, f"gauge_livemostrecent_{tag}.db"),
+            "counter": os.path.join(directory, f"counter_{tag}.db"),
+        }
+        self._rows, self._interval = rows or (lambda: self.rows), interval
+        # The decode's scheduler thread's, for the rows it builds.
+        self.served_at: Dict[str, float] = {}
+        self.failures: Dict[Tuple[str, str], int] = defaultdict(int)
+        self.gone: Dict[str, float] = {}  # since when a failed prefill is gone
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pd-peer-metrics")
+        self._thread.daemon = True
+        self._thread.start()
+
+    @classmethod
+    def start(cls, server_args, rows) -> Optional["_PeerMetrics"]:
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not getattr(server_args, "enable_metrics", False) or not directory:
+            return None
+        return cls(rows, directory)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.write()
+            except Exception:
+                logger.exception("Could not write the PD per-peer metrics")
+        for path in self._paths.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def write(self) -> None:
+        from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+        samples = {"gauge": {}, "counter": {}}
+        for name, labels, value in self._rows():
+            typ, help_text = PD_PEER_METRICS[name]
+            sample = f"{name}_total" if typ == "counter" else name
+            key = mmap_key(name, sample, list(labels), list(labels.values()), help_text)
+            samples[typ][key] = value
+        now = time.time()
+        for typ, values in samples.items():
+            tmp = f"{self._paths[typ]}.tmp"  # not *.db: never read half-written
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            mmap = MmapedDict(tmp)
+            try:
+                for key, value in values.items():
+                    mmap.write_value(key, value, now)
+            finally:
+                mmap.close()
+            os.replace(tmp, self._paths[typ])
+
+    def close(self) -> None:
+        """Stops the thread, which then removes the files."""
+        self._stop.set()
 
 
 class KVTransferError(Exception):
@@ -518,6 +681,7 @@ class CommonKVManager(BaseKVManager):
     # Prefill side: what serves the KV transfers, in place of 0.5.23's
     # queues a room's chunks were hashed to (see _transfer_queue).
     _transfer_scheduler: Optional[_TransferScheduler] = None
+    peer_metrics: Optional[_PeerMetrics] = None  # with --enable-metrics
 
     # Wire layout of the prefill->decode terminal status message. The legacy
     # layout (mooncake, and ascend which inherits it) is three untagged frames
@@ -667,6 +831,15 @@ class CommonKVManager(BaseKVManager):
                     + envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                 )
 
+        self.peer_metric_labels = {"rank": str(getattr(args, "engine_rank", 0))}
+        self.peer_metrics = _PeerMetrics.start(
+            server_args,
+            (
+                self._peer_metric_rows
+                if self.disaggregation_mode == DisaggregationMode.PREFILL
+                else None  # the decode's scheduler sets peer_metrics.rows
+            ),
+        )
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             # When SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER is True, all CP ranks
             # participate in KV transfer; Otherwise only CP rank 0 sends.
@@ -1147,6 +1320,12 @@ class CommonKVManager(BaseKVManager):
                 # Keep the first root cause; later callers see the symptom.
                 failure_reason = self.failure_records.setdefault(
                     bootstrap_room, failure_reason or "KV transfer failed"
+                )
+            scheduler = getattr(self, "_transfer_scheduler", None)
+            if scheduler is not None and self.transfer_infos.get(bootstrap_room):
+                scheduler.note_failed(
+                    self._destination_of(bootstrap_room),
+                    "session" if "is not alive" in failure_reason else "transfer",
                 )
 
         if targets is None:
@@ -2196,8 +2375,14 @@ class CommonKVManager(BaseKVManager):
         _TransferScheduler, or 0.5.23's ``queues[shard_idx]`` without one."""
         if self._transfer_scheduler is None:
             return queues[shard_idx]
-        destination = tuple(sorted(map(str, self.transfer_infos[room])))
-        return _Inbox(self._transfer_scheduler, destination)
+        return _Inbox(self._transfer_scheduler, self._destination_of(room))
+
+    def _destination_of(self, room: int) -> tuple:
+        return tuple(sorted(map(str, self.transfer_infos[room])))
+
+    def _peer_metric_rows(self) -> list:
+        scheduler = self._transfer_scheduler
+        return scheduler.metric_rows(self.peer_metric_labels) if scheduler else []
 
     def get_mha_kv_ptrs_with_pp(
         self, src_kv_ptrs: List[int], dst_kv_ptrs: List[int]

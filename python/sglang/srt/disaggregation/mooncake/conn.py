@@ -486,6 +486,8 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 )
         if self._transfer_scheduler is not None:
             self._transfer_scheduler.shutdown()
+        if self.peer_metrics is not None:
+            self.peer_metrics.close()
 
         # Shutdown thread pool executors (PREFILL role).
         for executor in getattr(self, "executors", []):

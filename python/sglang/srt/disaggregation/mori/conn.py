@@ -1029,6 +1029,8 @@ class MoriKVManager(CommonKVManager):
             self._stop_bootstrap_fetches()
         if self._transfer_scheduler is not None:
             self._transfer_scheduler.shutdown()
+        if self.peer_metrics is not None:
+            self.peer_metrics.close()
         # Transfer workers (PREFILL role) park in FastQueue.get(), which has no
         # timeout; push a None sentinel per shard to wake and stop them so the
         # join below returns instead of leaking the thread.

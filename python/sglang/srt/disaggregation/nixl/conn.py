@@ -1119,6 +1119,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         self._stopped = True
         if self._transfer_scheduler is not None:
             self._transfer_scheduler.shutdown()
+        if self.peer_metrics is not None:
+            self.peer_metrics.close()
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self._stop_bootstrap_fetches()  # wakes the heartbeat checker too
             listener, heartbeat_checker = self._decode_threads

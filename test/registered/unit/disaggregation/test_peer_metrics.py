@@ -1,0 +1,282 @@
+"""Per-peer series for sglang's /metrics: what each prefill holds of a decode
+and how it is doing, what each decode has waiting on a prefill, written into
+sglang's multiprocess Prometheus directory and gone with the peer.
+
+Read back as sglang's /metrics reads them (prometheus_client's
+MultiProcessCollector over the directory). The decode side runs the real
+queues over simulated time (decode_sim.py); the prefill side runs the real
+_TransferScheduler with a fake clock. CPU-only, no sleeps.
+"""
+
+import os
+import tempfile
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+from decode_sim import Prefill
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+from test_decode_admission_edges import DT, HEALTHY, STUCK, SimTestCase
+
+from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.common import conn as conn_mod
+from sglang.srt.disaggregation.common.conn import (
+    PD_PEER_METRICS,
+    _PeerMetrics,
+    _TransferScheduler,
+)
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=5, suite="base-a-test-cpu")
+
+LOST = "Lost connection with prefill instance (bootstrap_addr: {})"
+
+
+def scrape(directory):
+    """{(sample name, frozenset(labels)): value}, as /metrics would show."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in registry.collect()
+        for s in family.samples
+    }
+
+
+def series(samples, name, **labels):
+    """The values of ``name`` whose labels include ``labels``, by peer."""
+    out = {}
+    for (sample, sample_labels), value in samples.items():
+        have = dict(sample_labels)
+        if sample == name and labels.items() <= have.items():
+            out[have.get("prefill") or have.get("decode")] = value
+    return out
+
+
+class MetricsTestCase(CustomTestCase):
+    def metrics(self, rows=None):
+        directory = tempfile.TemporaryDirectory()
+        self.addCleanup(directory.cleanup)
+        self.dir = directory.name
+        # No write of its own in a test: write() is called where it reads.
+        metrics = _PeerMetrics(rows, self.dir, interval=3600)
+        self.addCleanup(metrics._thread.join, 30)
+        self.addCleanup(metrics.close)
+        return metrics
+
+
+class TestPeerMetricsFiles(MetricsTestCase):
+    def test_a_peer_left_out_of_a_write_is_gone_from_metrics(self):
+        rows = [
+            ("sglang:pd_prefill_state", {"rank": "0", "prefill": "a:1"}, 2),
+            ("sglang:pd_prefill_state", {"rank": "0", "prefill": "b:1"}, 0),
+            (
+                "sglang:pd_prefill_failures",
+                {"rank": "0", "prefill": "a:1", "kind": "transfer"},
+                3,
+            ),
+        ]
+        metrics = self.metrics(lambda: rows)
+        metrics.write()
+        samples = scrape(self.dir)
+        self.assertEqual(
+            series(samples, "sglang:pd_prefill_state"), {"a:1": 2, "b:1": 0}
+        )
+        self.assertEqual(
+            series(samples, "sglang:pd_prefill_failures_total", kind="transfer"),
+            {"a:1": 3},
+        )
+        del rows[0], rows[1]  # a:1 went away
+        metrics.write()
+        samples = scrape(self.dir)
+        self.assertEqual(series(samples, "sglang:pd_prefill_state"), {"b:1": 0})
+        self.assertEqual(series(samples, "sglang:pd_prefill_failures_total"), {})
+        # Written aside and renamed: /metrics never reads a half-written file.
+        self.assertEqual([f for f in os.listdir(self.dir) if ".db" != f[-3:]], [])
+
+    def test_closing_removes_its_series(self):
+        metrics = self.metrics(
+            lambda: [("sglang:pd_transfer_workers_busy", {"rank": "0"}, 1)]
+        )
+        metrics.write()
+        self.assertTrue(scrape(self.dir))
+        metrics.close()
+        metrics._thread.join(30)
+        self.assertEqual(os.listdir(self.dir), [])
+
+    def test_only_with_enable_metrics_and_sglangs_directory(self):
+        on = SimpleNamespace(enable_metrics=True)
+        with mock.patch.dict(os.environ, {"PROMETHEUS_MULTIPROC_DIR": ""}):
+            self.assertIsNone(_PeerMetrics.start(on, None))
+        with tempfile.TemporaryDirectory() as directory, mock.patch.dict(
+            os.environ, {"PROMETHEUS_MULTIPROC_DIR": directory}
+        ):
+            off = SimpleNamespace(enable_metrics=False)
+            self.assertIsNone(_PeerMetrics.start(off, None))
+            metrics = _PeerMetrics.start(on, None)
+            self.assertIsInstance(metrics, _PeerMetrics)
+            metrics.close()
+            metrics._thread.join(30)
+
+
+class TestDecodeSeries(SimTestCase, MetricsTestCase):
+    TOKENS, SLOTS, TIMEOUT = 8192, 64, 30.0
+
+    def setUp(self):
+        super().setUp()
+        self.rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+            tokens=self.TOKENS,
+            slots=self.SLOTS,
+            waiting_timeout=self.TIMEOUT,
+        )
+        kv = self.rank.kv_manager
+        kv.peer_metrics = self.metrics()
+        kv.peer_metric_labels = {"rank": "0"}
+        kv._route_setups = {}
+        kv.parallel_info_fetch_in_flight = lambda addr: False
+        self.rank.prealloc._prefill_dp_rank_queries = {}
+
+    def one_each_second(self, t):
+        if abs(t - round(t)) < 1e-9:
+            self.add(STUCK)
+            self.add(HEALTHY)
+
+    def scrape(self):
+        self.rank.kv_manager.peer_metrics.write()
+        return scrape(self.dir)
+
+    def prompt_tokens_held_by(self, addr):
+        transfer = self.rank.transfer
+        held = [*transfer.queue, *(e[0] for e in transfer._deferred_releases)]
+        return sum(
+            len(r.req.origin_input_ids)
+            for r in held
+            if r.kv_receiver.bootstrap_addr == addr
+        )
+
+    def test_the_stuck_prefill_holds_its_share_and_the_healthy_one_is_served(self):
+        self.run_for(60, self.one_each_second)
+        samples = self.scrape()
+        held = series(samples, "sglang:pd_prefill_held_tokens")
+        self.assertEqual(held[STUCK], self.prompt_tokens_held_by(STUCK))
+        self.assertGreaterEqual(held[STUCK], self.TOKENS // 2)
+        self.assertLess(held[HEALTHY], held[STUCK])
+        state = series(samples, "sglang:pd_prefill_state")
+        self.assertEqual(state, {STUCK: 2, HEALTHY: 0})
+        since = series(samples, "sglang:pd_prefill_seconds_since_transfer")
+        self.assertEqual(list(since), [HEALTHY])  # the stuck one never served
+        self.assertLessEqual(since[HEALTHY], 2.0)
+        waiting = series(samples, "sglang:pd_prefill_waiting_reqs")
+        self.assertGreater(waiting[STUCK], 0)
+        # Past the waiting timeout the held-back requests end, naming it.
+        failures = series(samples, "sglang:pd_prefill_failures_total", kind="timeout")
+        self.assertGreater(failures.get(STUCK, 0), 0)
+        self.assertNotIn(HEALTHY, failures)
+
+    def test_a_failed_prefill_shows_how_it_ended_then_its_series_go(self):
+        self.run_for(20, self.one_each_second)
+        kv = self.rank.kv_manager
+        del kv.prefill_info_table[STUCK]  # the heartbeat declares it failed
+        for r in (*self.rank.prealloc.queue, *self.rank.transfer.queue):
+            if r.kv_receiver.bootstrap_addr == STUCK:
+                kv.record_failure(r.req.bootstrap_room, LOST.format(STUCK))
+                r.kv_receiver.conclude_state = KVPoll.Failed
+        self.run_for(2)
+        samples = self.scrape()
+        self.assertEqual(series(samples, "sglang:pd_prefill_state")[STUCK], 3)
+        lost = series(samples, "sglang:pd_prefill_failures_total", kind="heartbeat")
+        self.assertGreater(lost[STUCK], 0)
+        # Its pages go back at the release timeout (it may have written until
+        # it was declared failed), and a minute later its series.
+        self.run_for(30)
+        self.assertEqual(self.rank.held_by(STUCK), 0)
+        self.run_for(61)
+        samples = self.scrape()
+        self.assertEqual(
+            {dict(labels).get("prefill") for (_, labels) in samples}, {HEALTHY}
+        )
+
+    def test_prefills_coming_and_going_leave_no_series(self):
+        # P15's churn: 1,000 prefill addresses, ten at a time, each serves a
+        # request and goes (the heartbeat declares it failed).
+        kv = self.rank.kv_manager
+        most = 0
+        for batch in range(100):
+            addrs = [f"10.1.{batch}.{i}:8998" for i in range(10)]
+            for addr in addrs:
+                prefill = self.world.prefills[addr] = Prefill(addr, 0.5)
+                kv.prefill_info_table[addr] = prefill.info
+                self.add(addr)
+            self.run_for(2)
+            since = series(self.scrape(), "sglang:pd_prefill_seconds_since_transfer")
+            self.assertLessEqual(set(addrs), set(since))
+            most = max(most, len(since))
+            for addr in addrs:
+                del kv.prefill_info_table[addr]
+        self.run_for(61)
+        samples = self.scrape()
+        left = {dict(labels)["prefill"] for (_, labels) in samples}
+        self.assertEqual(left - {HEALTHY, STUCK}, set())
+        self.assertLessEqual(most, 10 * 62 // 2)  # a minute's worth, no more
+
+class _Chunk(SimpleNamespace):
+    pass
+
+
+class TestPrefillSeries(MetricsTestCase):
+    def test_queued_in_flight_oldest_and_failed_per_decode(self):
+        clock = SimpleNamespace(now=100.0)
+        scheduler = _TransferScheduler()
+        metrics = self.metrics(lambda: scheduler.metric_rows({"rank": "0"}))
+        sick, healthy = ("10.0.0.9:1",), ("10.0.0.8:1",)
+        with mock.patch.object(conn_mod.time, "monotonic", lambda: clock.now):
+            scheduler.put(sick, _Chunk(room=1))
+            scheduler.put(sick, _Chunk(room=2))
+            worker = scheduler.worker_queue()
+            self.assertEqual(worker.get().room, 1)  # stuck sending it
+            clock.now += 40
+            scheduler.put(healthy, _Chunk(room=3))
+            clock.now += 1
+            metrics.write()
+            samples = scrape(self.dir)
+            queued = series(samples, "sglang:pd_decode_rooms_queued")
+            self.assertEqual(queued, {"10.0.0.9:1": 1, "10.0.0.8:1": 1})
+            in_flight = series(samples, "sglang:pd_decode_rooms_in_flight")
+            self.assertEqual(in_flight, {"10.0.0.9:1": 1, "10.0.0.8:1": 0})
+            age = series(samples, "sglang:pd_decode_oldest_chunk_age_seconds")
+            self.assertEqual(age, {"10.0.0.9:1": 41.0, "10.0.0.8:1": 1.0})
+            busy = series(samples, "sglang:pd_transfer_workers_busy")
+            self.assertEqual(busy, {None: 1})
+
+            scheduler.note_failed(sick, "session")
+            scheduler.note_failed(sick, "session")
+            self.assertEqual(worker.get().room, 3)  # the turn that waited longest
+            self.assertEqual(worker.get().room, 2)
+            metrics.write()
+            samples = scrape(self.dir)
+            failed = series(samples, "sglang:pd_decode_rooms_failed_total")
+            self.assertEqual(failed, {"10.0.0.9:1": 2})
+            queued = series(samples, "sglang:pd_decode_rooms_queued")
+            self.assertEqual(queued, {"10.0.0.9:1": 0})  # the healthy one drained
+            # The worker leaves the failed decode, which is forgotten: its
+            # series go with it.
+            with scheduler._lock:
+                worker._leave()
+            scheduler.forget("10.0.0.9:1")
+            metrics.write()
+            failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
+            self.assertEqual(failed, {})
+
+    def test_every_name_written_is_registered(self):
+        for name, (typ, help_text) in PD_PEER_METRICS.items():
+            self.assertTrue(name.startswith("sglang:pd_"), name)
+            self.assertIn(typ, ("gauge", "counter"))
+            self.assertFalse(name.endswith("_total"), name)
+            self.assertTrue(help_text)
+
+
+if __name__ == "__main__":
+    unittest.main()
