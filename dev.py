@@ -258,6 +258,8 @@ def install_patch_locked(python: Path, cache: Path) -> None:
 
 # Debian packages the real transfer engines load at run time.
 SYSTEM_PACKAGES = {"libibverbs1": "libibverbs.so.1"}
+# Debian packages of the commands the tests run: package -> command.
+SYSTEM_COMMANDS = {"prometheus": "promtool"}
 
 
 def _has_library(soname: str) -> bool:
@@ -266,21 +268,23 @@ def _has_library(soname: str) -> bool:
 
 
 def ensure_system_packages() -> None:
-    """Install the Debian packages Mooncake's engine needs, when missing."""
+    """Install the Debian packages Mooncake's engine and the tests need, when
+    missing."""
     missing = [pkg for pkg, so in SYSTEM_PACKAGES.items() if not _has_library(so)]
+    missing += [pkg for pkg, cmd in SYSTEM_COMMANDS.items() if not shutil.which(cmd)]
     if not missing:
         return
     command = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         log(
-            f"missing Debian packages {missing}: the real-PD tests need them; "
+            f"missing Debian packages {missing}: the tests need them; "
             f"run `sudo apt-get update && sudo {' '.join(command)}`"
         )
         return
     log(f"installing Debian packages {missing}")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     if _run(["apt-get", "update", "-qq"], env=env) or _run(command, env=env):
-        log(f"apt-get could not install {missing}; the real-PD tests will fail")
+        log(f"apt-get could not install {missing}; some tests will fail")
 
 
 def cmd_test(pytest_args: list[str]) -> int:

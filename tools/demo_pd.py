@@ -333,6 +333,8 @@ def server_cmd(model: Path, role: str, port: int, args, extra: List[str]):
         args.backend,
         "--log-level",
         "info",
+        # For the per-peer series (patch 11) the demo scrapes from /metrics.
+        "--enable-metrics",
     ]
     return cmd + extra
 
@@ -481,6 +483,39 @@ def health_poller(url, t0, stop: threading.Event, rows: List[dict], interval=0.5
         row["latency"] = time.monotonic() - start
         rows.append(row)
         stop.wait(max(0.0, interval - row["latency"]))
+
+
+# The per-peer series (patch 11) the report plots: the decode's view of each
+# prefill, and the prefill's view of each decode.
+PEER_SERIES = (
+    "sglang:pd_prefill_held_tokens",
+    "sglang:pd_prefill_fenced_tokens",
+    "sglang:pd_prefill_waiting_reqs",
+    "sglang:pd_prefill_state",
+    "sglang:pd_decode_oldest_chunk_age_seconds",
+    "sglang:pd_decode_rooms_queued",
+)
+
+
+def metrics_poller(url, t0, stop: threading.Event, rows: List[dict], interval=1.0):
+    """Scrape ``url``/metrics every ``interval`` s for PEER_SERIES, as
+    Prometheus would; a stock server has none of them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    while not stop.is_set():
+        start = time.monotonic()
+        try:
+            text = requests.get(url + "/metrics", timeout=5).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in PEER_SERIES:
+                        rows.append(
+                            {"t": start - t0, "name": sample.name,
+                             "labels": sample.labels, "value": sample.value}
+                        )  # fmt: skip
+        except (requests.RequestException, ValueError):
+            pass  # a frozen server: no point this second
+        stop.wait(max(0.0, interval - (time.monotonic() - start)))
 
 
 def client_ticker(t0, stop: threading.Event, stalls: List[dict], tick=0.05):
@@ -1134,6 +1169,16 @@ def run(args, procs: Processes) -> dict:
         daemon=True,
     )
     hp.start()
+    # The decode's series per prefill, or with a sick decode, the prefill's
+    # per decode.
+    peer_metrics: List[dict] = []
+    mp = threading.Thread(
+        target=metrics_poller,
+        args=(urls["prefill1" if decode_fault else "decode"], t0, stop_health,
+              peer_metrics),
+        daemon=True,
+    )  # fmt: skip
+    mp.start()
     client_stalls: List[dict] = []
     ticker = threading.Thread(
         target=client_ticker,
@@ -1203,6 +1248,13 @@ def run(args, procs: Processes) -> dict:
         time.sleep(0.5)
     stop_health.set()
     hp.join(timeout=15)
+    mp.join(timeout=15)
+    # Which server each peer label is: a prefill by its bootstrap port, a
+    # decode by its Mooncake RPC port block.
+    peer_names = {f"{HOST}:{b1}": "prefill1", f"{HOST}:{b2}": "prefill2"}
+    for name, block in zip(("decode1", "decode2"), port_blocks):
+        for port in range(block.base, block.base + 5):
+            peer_names[f"{HOST}:{port}"] = name
     pool.shutdown(wait=False, cancel_futures=True)
     t_cut = time.monotonic() - t0
     with reqs.lock:
@@ -1283,6 +1335,8 @@ def run(args, procs: Processes) -> dict:
         "requests": rows,
         "warmup": warm.rows,
         "health": health,
+        "peer_metrics": peer_metrics,
+        "peer_names": peer_names,
         "client_stalls": client_stalls,
         "drain_cap_s": drain_cap,
         "memory": {

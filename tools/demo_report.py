@@ -490,14 +490,15 @@ def plot(results: List[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     n = len(results)
+    peers = any(r.get("peer_metrics") for r in results)
     fig, axes = plt.subplots(
-        2,
+        3 if peers else 2,
         n,
-        figsize=(6.5 * n, 7.5),
+        figsize=(6.5 * n, 10 if peers else 7.5),
         squeeze=False,
         sharey="row",
         sharex="col",
-        gridspec_kw={"height_ratios": [3, 1.3]},
+        gridspec_kw={"height_ratios": [3, 1.3, 1.6] if peers else [3, 1.3]},
     )
     for col, r in enumerate(results):
         healthy, frozen, kind = healthy_of(r), r["frozen"]["server"], kind_of(r)
@@ -565,9 +566,47 @@ def plot(results: List[dict], path: Path) -> None:
         hx.set_yscale("log")
         hx.set_ylabel(f"{health_server(r)} GET /health (s)")
         hx.set_xlabel(f"time since load start (s); shaded: {frozen} SIGSTOPped")
+        if peers:
+            plot_peers(axes[2][col], r, colors, w)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_peers(ax, r: dict, colors: dict, window) -> None:
+    """The sick peer's series scraped from /metrics during the run (patch 11):
+    what each prefill holds of the decode's KV, or with a sick decode, the
+    age of the prefill's oldest chunk for each decode."""
+    ax.axvspan(window[0], window[1], color="tab:orange", alpha=0.15, lw=0)
+    ax.grid(True, alpha=0.3)
+    decode_view = r["frozen"].get("what") != "decode"
+    name, peer_label = (
+        ("sglang:pd_prefill_held_tokens", "prefill")
+        if decode_view
+        else ("sglang:pd_decode_oldest_chunk_age_seconds", "decode")
+    )
+    lines: dict = {}
+    for x in r.get("peer_metrics") or []:
+        if x["name"] == name:
+            peer = r.get("peer_names", {}).get(x["labels"][peer_label])
+            lines.setdefault(peer, []).append((x["t"], x["value"]))
+    for peer, points in sorted(lines.items(), key=lambda kv: str(kv[0])):
+        ax.plot(
+            *zip(*points),
+            ".-",
+            ms=2,
+            lw=1,
+            color=colors.get(peer, "tab:gray"),
+            label=f"{peer or 'unknown'}",
+        )
+    if not lines:
+        ax.text(0.5, 0.5, "no per-peer series (stock 0.5.23)", ha="center",
+                va="center", transform=ax.transAxes)  # fmt: skip
+    else:
+        ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
+    server = "decode" if decode_view else "prefill1"
+    what = "KV tokens held, per prefill" if decode_view else "oldest chunk age (s)"
+    ax.set_ylabel(f"{server} /metrics:\n{what}")
 
 
 def main(argv=None) -> int:
