@@ -2266,9 +2266,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         return need_space_for_single_req
 
     def _share_tokens(self, req: Req) -> int:
-        """The pages a request holds until its KV arrives: its prompt's. The
-        decode headroom reserved for it is 0.5.23's to count."""
-        return len(req.origin_input_ids)
+        """What a request takes of the pool until its KV arrives: its prompt's
+        pages, and the decode headroom 0.5.23's memory check reserves for it
+        (with short prompts, most of it)."""
+        return len(req.origin_input_ids) + self.num_reserved_decode_tokens
 
     def _prefill_shares(self) -> _PrefillShares:
         transfer_queue = self.transfer_queue

@@ -17,7 +17,8 @@ from unittest import mock
 from decode_sim import Prefill
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
-from test_decode_admission_edges import DT, HEALTHY, STUCK, SimTestCase
+from test_decode_admission_edges import HEALTHY, STUCK, SimTestCase
+from test_prefill_transfer_scheduler import SICK, _mooncake_prefill, _room, _wait_status
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.common import conn as conn_mod
@@ -148,11 +149,12 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
         self.rank.kv_manager.peer_metrics.write()
         return scrape(self.dir)
 
-    def prompt_tokens_held_by(self, addr):
+    def share_tokens_held_by(self, addr):
+        """Its requests' prompts and reserved decode headroom, as shares count."""
         transfer = self.rank.transfer
         held = [*transfer.queue, *(e[0] for e in transfer._deferred_releases)]
         return sum(
-            len(r.req.origin_input_ids)
+            len(r.req.origin_input_ids) + self.rank.prealloc.num_reserved_decode_tokens
             for r in held
             if r.kv_receiver.bootstrap_addr == addr
         )
@@ -161,7 +163,7 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
         self.run_for(60, self.one_each_second)
         samples = self.scrape()
         held = series(samples, "sglang:pd_prefill_held_tokens")
-        self.assertEqual(held[STUCK], self.prompt_tokens_held_by(STUCK))
+        self.assertEqual(held[STUCK], self.share_tokens_held_by(STUCK))
         self.assertGreaterEqual(held[STUCK], self.TOKENS // 2)
         self.assertLess(held[HEALTHY], held[STUCK])
         state = series(samples, "sglang:pd_prefill_state")
@@ -269,6 +271,23 @@ class TestPrefillSeries(MetricsTestCase):
             metrics.write()
             failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
             self.assertEqual(failed, {})
+
+    def test_a_failed_room_is_counted_for_its_decode_only_with_metrics(self):
+        mgr = _mooncake_prefill(workers=1)
+        self.addCleanup(mgr._transfer_scheduler.shutdown)
+        self.addCleanup(lambda: [g.set() for g in list(mgr.gates.values())])
+        mgr.rcs[SICK] = -1
+        mgr.gates[SICK].set()
+        _room(mgr, 1, SICK)
+        self.assertEqual(_wait_status(mgr, 1), KVPoll.Failed)
+        # Off: nothing kept (it is pruned only when written).
+        self.assertEqual(dict(mgr._transfer_scheduler._failed), {})
+        mgr.peer_metrics = self.metrics()
+        _room(mgr, 2, SICK)
+        self.assertEqual(_wait_status(mgr, 2), KVPoll.Failed)
+        self.assertEqual(
+            dict(mgr._transfer_scheduler._failed), {((SICK,), "session"): 1}
+        )
 
     def test_every_name_written_is_registered(self):
         for name, (typ, help_text) in PD_PEER_METRICS.items():

@@ -353,8 +353,8 @@ def _run_transfer_worker(transfer_worker, queue, *args) -> None:
 PD_PEER_METRICS = {
     "sglang:pd_prefill_held_tokens": (
         "gauge",
-        "Prompt tokens of the decode's KV held for requests to this prefill "
-        "whose KV has not arrived, fenced ones included.",
+        "Decode KV tokens in this prefill's share: the prompts and reserved decode "
+        "headroom of its requests whose KV has not arrived, fenced ones included.",
     ),
     "sglang:pd_prefill_held_reqs": (
         "gauge",
@@ -1321,8 +1321,13 @@ class CommonKVManager(BaseKVManager):
                 failure_reason = self.failure_records.setdefault(
                     bootstrap_room, failure_reason or "KV transfer failed"
                 )
+            # Counted for /metrics only: pruned when written.
             scheduler = getattr(self, "_transfer_scheduler", None)
-            if scheduler is not None and self.transfer_infos.get(bootstrap_room):
+            if (
+                getattr(self, "peer_metrics", None) is not None
+                and scheduler is not None
+                and self.transfer_infos.get(bootstrap_room)
+            ):
                 scheduler.note_failed(
                     self._destination_of(bootstrap_room),
                     "session" if "is not alive" in failure_reason else "transfer",
