@@ -24,7 +24,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -2341,7 +2341,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if id(decode_req) in fences:
                 tokens = self._share_tokens(decode_req.req)
                 rows[_bootstrap_addr(decode_req.req)]["fenced_tokens"] += tokens
-        for decode_req in (*self.queue, *self.pending_reqs):
+        for decode_req in self.queue:  # pending_reqs are in it too
             if not _is_fake_transfer(decode_req.req):
                 rows[_bootstrap_addr(decode_req.req)]["waiting_reqs"] += 1
         served_at, failures, gone = metrics.served_at, metrics.failures, metrics.gone
@@ -2356,7 +2356,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 served_at.pop(addr, None)
                 for kind in [k for a, k in failures if a == addr]:
                     del failures[addr, kind]
-        setups = list(kv._route_setups)
+        setups = Counter(addr for addr, _ in list(kv._route_setups))
         out = []
         for addr in {*rows, *kv.prefill_info_table, *served_at, *gone}:
             row, labels = rows[addr], {**kv.peer_metric_labels, "prefill": addr}
@@ -2368,7 +2368,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 row["seconds_since_transfer"] = now - served_at[addr]
             row["fetches_in_flight"] = (
                 kv.parallel_info_fetch_in_flight(addr)
-                + sum(key[0] == addr for key in setups)
+                + setups[addr]
                 + (addr in self._prefill_dp_rank_queries)
             )
             for name in ("held_tokens", "held_reqs", "fenced_tokens", "waiting_reqs"):

@@ -173,6 +173,7 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
         self.assertLessEqual(since[HEALTHY], 2.0)
         waiting = series(samples, "sglang:pd_prefill_waiting_reqs")
         self.assertGreater(waiting[STUCK], 0)
+        self.assertEqual(waiting[STUCK], len(self.rank.waiting(STUCK)))
         # Past the waiting timeout the held-back requests end, naming it.
         failures = series(samples, "sglang:pd_prefill_failures_total", kind="timeout")
         self.assertGreater(failures.get(STUCK, 0), 0)

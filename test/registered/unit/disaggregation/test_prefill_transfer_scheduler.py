@@ -445,22 +445,50 @@ class TestMooncakeWorkerSurvives(CustomTestCase):
         _room(mgr, 2, HEALTHY)
         self.assertEqual(_wait_status(mgr, 2), KVPoll.Success)
 
-    def test_a_worker_that_dies_leaves_its_decode_to_the_others(self):
+    def test_a_room_whose_transfer_raises_fails_alone(self):
+        # 0.5.23 let the worker die with the room unconcluded; handed to
+        # another worker, its decode's last chunk would have ended the room
+        # Success without the first chunk's KV.
         mgr = TestMooncakeScheduler.start(self, workers=2)
         send_kvcache = mgr.send_kvcache
 
-        def fails_once(session_id, prefill_kv_indices, *args, **kwargs):
-            if not mgr.sent:
+        def raises_on_chunk_0(session_id, prefill_kv_indices, *args, **kwargs):
+            if int(prefill_kv_indices[0]) == 0 and not mgr.sent:
                 mgr.sent.append((session_id, "raised"))
                 raise ValueError("a bug in the worker")
             return send_kvcache(session_id, prefill_kv_indices, *args, **kwargs)
 
-        mgr.send_kvcache = fails_once
+        mgr.send_kvcache = raises_on_chunk_0
         mgr.gates[HEALTHY].set()
-        _room(mgr, 1, HEALTHY)
+        _room(mgr, 1, HEALTHY, chunks=2)
+        self.assertEqual(_wait_status(mgr, 1), KVPoll.Failed)
         _room(mgr, 2, HEALTHY)
         self.assertEqual(_wait_status(mgr, 2), KVPoll.Success)
         self.assertEqual(mgr.sent, [(HEALTHY, "raised"), (HEALTHY, 0)])
+
+    def test_a_worker_that_dies_leaves_its_decode_to_the_others(self):
+        scheduler = _TransferScheduler()
+        self.addCleanup(scheduler.shutdown)
+        scheduler.put(("d",), "chunk 0")
+        scheduler.put(("d",), "chunk 1")
+
+        def dies(queue):
+            queue.get()
+            raise ValueError("a bug in the worker")
+
+        dead = threading.Thread(
+            target=conn_mod._run_transfer_worker,
+            args=(dies, scheduler.worker_queue()),
+        )
+        dead.start()
+        dead.join(_WAIT_S)
+        got = []
+        other = threading.Thread(
+            target=lambda: got.append(scheduler.worker_queue().get()), daemon=True
+        )
+        other.start()
+        other.join(_WAIT_S)
+        self.assertEqual(got, ["chunk 1"])
 
 
 class TestPrefillSendsNeverWait(CustomTestCase):

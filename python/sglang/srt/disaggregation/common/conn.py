@@ -209,8 +209,7 @@ def _get_bootstrap_session(bootstrap_addr: str) -> requests.Session:
     return session
 
 
-# Destinations a _TransferScheduler remembers having contacted: past this, the
-# oldest gets a first contact (a probe) again on its next chunk.
+# Destinations remembered as contacted: past it, the oldest is probed again.
 _MAX_CONTACTED_DESTINATIONS = 4096
 
 
@@ -338,9 +337,8 @@ class _WorkerQueue:
 
 
 def _run_transfer_worker(transfer_worker, queue, *args) -> None:
-    """A transfer worker's thread. One that dies of an error (0.5.23 re-raises
-    it) leaves its destination to the other workers, which would otherwise
-    never take that decode's chunks again."""
+    """A transfer worker's thread. One that dies leaves its destination to the
+    other workers, which would never take that decode's chunks again."""
     try:
         transfer_worker(queue, *args)
     finally:
@@ -1323,13 +1321,10 @@ class CommonKVManager(BaseKVManager):
                 )
             # Counted for /metrics only: pruned when written.
             scheduler = getattr(self, "_transfer_scheduler", None)
-            if (
-                getattr(self, "peer_metrics", None) is not None
-                and scheduler is not None
-                and self.transfer_infos.get(bootstrap_room)
-            ):
+            infos = self.transfer_infos.get(bootstrap_room)  # read once
+            if getattr(self, "peer_metrics", None) and scheduler and infos:
                 scheduler.note_failed(
-                    self._destination_of(bootstrap_room),
+                    tuple(sorted(map(str, infos))),
                     "session" if "is not alive" in failure_reason else "transfer",
                 )
 
@@ -2370,9 +2365,8 @@ class CommonKVManager(BaseKVManager):
         # not thread-safe; serialize sends per endpoint.
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
         with self._socket_send_locks[endpoint]:
-            # Never waits: a send blocks only once the decode left SNDHWM
-            # messages unread (it is stuck), and then up to SNDTIMEO, 30 s,
-            # on a transfer worker. It raises zmq.Again to the caller instead.
+            # Never waits (up to SNDTIMEO, 30 s, once a stuck decode left SNDHWM
+            # messages unread): it raises zmq.Again to the caller instead.
             sock.send_multipart(parts, flags=zmq.NOBLOCK)
 
     def _transfer_queue(self, queues: list, shard_idx: int, room: int):

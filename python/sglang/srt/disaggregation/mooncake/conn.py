@@ -355,10 +355,8 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 self._init_staging_buffers(len(self.transfer_queues))
             worker_queues = self.transfer_queues
             if not self.enable_staging:
-                # Chunks queue by decode destination, so that one that stops
-                # answering holds one worker, not its queue (see
-                # _TransferScheduler). Staging keeps 0.5.23's queues: a worker
-                # puts a chunk it defers back on its own.
+                # Chunks queue by decode destination (see _TransferScheduler).
+                # Staging keeps 0.5.23's queues: a worker re-queues what it defers.
                 self._transfer_scheduler = _TransferScheduler(
                     first_contact=self._probe_before_first_transfer
                 )
@@ -2900,6 +2898,14 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
                 # NOTE(shangming): Remove this when we make sure the transfer thread is bug-free
                 if kv_chunk is not None:
                     self.poison_deferred_ack_room(kv_chunk.room)
+                    # That room fails, not the worker (its next chunk would end
+                    # the room Success on another worker, this chunk unsent).
+                    logger.exception(f"Transfer of room {kv_chunk.room} failed")
+                    self.conclude_failure(
+                        bootstrap_room=kv_chunk.room,
+                        failure_reason=f"Transfer thread failed because of {e}",
+                    )
+                    continue
                 raise RuntimeError(
                     f"Transfer thread failed because of {e}. Prefill instance with bootstrap_port={self.bootstrap_port} is dead."
                 )
@@ -3165,8 +3171,7 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
         self.session_failures.pop(session_id, None)
         self.failed_session_probes.pop(session_id, None)
         if self._transfer_scheduler is not None:
-            # Back from a failure, maybe restarted: probe it before its next
-            # transfer (while failed, its transfers fail without one).
+            # Back from a failure, maybe restarted: probe it again first.
             self._transfer_scheduler.forget(session_id)
 
     def _send_probe(self, session_id: str) -> int:
