@@ -54,6 +54,15 @@ class SimTestCase(CustomTestCase):
         self.addCleanup(stack.close)
         return self.ranks[0]
 
+    def healthy_and_stuck(self):
+        """One healthy prefill and one stuck for good, in the class's pool."""
+        return self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+            tokens=self.TOKENS,
+            slots=self.SLOTS,
+            waiting_timeout=self.TIMEOUT,
+        )
+
     def add(self, addr, prompt=400, priority=0):
         room = next(rooms)
         for rank in self.ranks:
@@ -79,12 +88,7 @@ class TestStuckForGood(SimTestCase):
 
     def setUp(self):
         super().setUp()
-        self.rank = self.sim(
-            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            tokens=self.TOKENS,
-            slots=self.SLOTS,
-            waiting_timeout=self.TIMEOUT,
-        )
+        self.rank = self.healthy_and_stuck()
         self.healthy_rooms = {}
 
     def one_each_second(self, t):

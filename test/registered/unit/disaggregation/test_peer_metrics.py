@@ -127,12 +127,7 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
 
     def setUp(self):
         super().setUp()
-        self.rank = self.sim(
-            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            tokens=self.TOKENS,
-            slots=self.SLOTS,
-            waiting_timeout=self.TIMEOUT,
-        )
+        self.rank = self.healthy_and_stuck()
         kv = self.rank.kv_manager
         kv.peer_metrics = self.metrics()
         kv.peer_metric_labels = {"rank": "0"}
