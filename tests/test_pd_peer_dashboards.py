@@ -169,8 +169,8 @@ class DashboardAndRulesTest(unittest.TestCase):
         """``promtool test rules`` over 10 minutes of 15 s samples: each alert
         fires for its peer (its ``for`` is met by then), none for the healthy
         ones."""
-        decode = {"instance": "decode:30000", "job": "sglang", "rank": "0"}
-        prefill = {"instance": "prefill:30000", "job": "sglang", "rank": "0"}
+        decode = {"instance": "decode:30000", "job": "sglang", "tp_rank": "0"}
+        prefill = {"instance": "prefill:30000", "job": "sglang", "tp_rank": "0"}
 
         def at(name: str, **labels) -> dict:
             return {**decode, "prefill": f"{name}:8998", **labels}
@@ -275,18 +275,21 @@ class HeldAtShareOnPrometheusTest(unittest.TestCase):
         directory.mkdir()
         rows = []
         for prefill, state in ((self.STUCK, 2), (self.HEALTHY, 0)):
-            labels = {"rank": "0", "prefill": prefill}
+            labels = {"tp_rank": "0", "prefill": prefill}
             rows += [
                 ("sglang:pd_prefill_state", labels, state),
                 ("sglang:pd_prefill_held_tokens", labels, 4096 * (state == 2)),
             ]
-        failed = {"rank": "0", "prefill": self.STUCK, "kind": "timeout"}
+        failed = {"tp_rank": "0", "prefill": self.STUCK, "kind": "timeout"}
         rows.append(("sglang:pd_prefill_failures", failed, 3))
         _, PeerMetrics = peer_metrics()
         metrics = PeerMetrics(
-            rows=lambda: rows, directory=str(directory), interval=3600
+            rows=lambda: rows,
+            directory=str(directory),
+            labels={"tp_rank": "0"},
+            interval=3600,
         )
-        self.addCleanup(metrics._thread.join, 10)  # it removes its files
+        self.addCleanup(metrics._thread.join, 10)  # it empties its files
         self.addCleanup(metrics.close)
         metrics.write()
 
@@ -397,7 +400,7 @@ class HeldAtShareOnPrometheusTest(unittest.TestCase):
         self.wait_for("scrape of both prefills", scraped)
         result = self.query(rule_expr("PDPrefillHeldAtShare"))
         self.assertIsNotNone(result, "prometheus stopped answering")
-        got = {(r["metric"].get("prefill"), r["metric"].get("rank")) for r in result}
+        got = {(r["metric"].get("prefill"), r["metric"].get("tp_rank")) for r in result}
         self.assertEqual(got, {(self.STUCK, "0")})
         (failures,) = self.query("sglang:pd_prefill_failures_total")
         self.assertEqual(failures["metric"]["kind"], "timeout")

@@ -409,6 +409,8 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
     metrics = _peer_metrics(decode_req)
     if metrics is None or _is_fake_transfer(decode_req.req):
         return
+    if "Aborted by AbortReq" in reason:
+        return  # the client cancelled it
     if "Lost connection with prefill" in reason:
         stage = "heartbeat"
     elif "TIMEOUT" in reason.upper():
@@ -1660,7 +1662,6 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         shares = self._prefill_shares()
         skipped: Set = set()  # prefills held at their share this cycle
         now = time.monotonic()
-        self._publish_peer_metrics(shares, now)
 
         # Then, preallocate the remaining requests if possible
         for i, decode_req in enumerate(self.queue):
@@ -2321,29 +2322,30 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             )
         return True
 
-    def _publish_peer_metrics(self, shares: _PrefillShares, now: float) -> None:
+    def publish_peer_metrics(self) -> None:
         """Per-prefill series for /metrics, built at most once a second for the
         kv manager's metrics thread to write: no lock or I/O here."""
         metrics = getattr(self.kv_manager, "peer_metrics", None)
+        now = time.monotonic()
         if not isinstance(metrics, _PeerMetrics) or now < self._peer_metrics_due:
             return
         self._peer_metrics_due = now + 1.0
         kv, transfer_queue = self.kv_manager, self.transfer_queue
-        rows = defaultdict(lambda: defaultdict(float))
-        for prefill, (tokens, reqs, *_) in shares.held.items():
-            row = rows[prefill[0]]
-            row["held_tokens"] += tokens
-            row["held_reqs"] += reqs
-            if prefill in shares.stalled and shares.over(prefill, 0):
-                row["state"] = 2
-        fences = transfer_queue._fences or {}
-        for decode_req, *_ in transfer_queue._deferred_releases:
-            if id(decode_req) in fences:
+        names = ("held_tokens", "held_reqs", "fenced_tokens", "waiting_reqs", "state")
+        rows = defaultdict(lambda: dict.fromkeys(names, 0))
+        for prefill, (tokens, reqs, *_) in self._prefill_shares().held.items():
+            rows[prefill[0]]["held_tokens"] += tokens
+            rows[prefill[0]]["held_reqs"] += reqs
+        for decode_req, _, deadline, *_ in transfer_queue._deferred_releases:
+            if now >= deadline:  # held past the release timeout: it may write
                 tokens = self._share_tokens(decode_req.req)
                 rows[_bootstrap_addr(decode_req.req)]["fenced_tokens"] += tokens
         for decode_req in self.queue:  # pending_reqs are in it too
             if not _is_fake_transfer(decode_req.req):
-                rows[_bootstrap_addr(decode_req.req)]["waiting_reqs"] += 1
+                row = rows[_bootstrap_addr(decode_req.req)]
+                row["waiting_reqs"] += 1
+                if decode_req.held_since is not None:  # admission held it back
+                    row["state"] = 2
         served_at, failures, gone = metrics.served_at, metrics.failures, metrics.gone
         known = {*served_at, *(a for a, _ in failures)}
         for addr in [a for a in gone if a in rows or a in kv.prefill_info_table]:
@@ -2359,9 +2361,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         setups = Counter(addr for addr, _ in list(kv._route_setups))
         out = []
         for addr in {*rows, *kv.prefill_info_table, *served_at, *gone}:
-            row, labels = rows[addr], {**kv.peer_metric_labels, "prefill": addr}
-            if addr not in kv.prefill_info_table and addr in known:
-                row["state"] = 3  # it served or failed before
+            row, labels = rows[addr], {**metrics.labels, "prefill": addr}
+            if addr not in kv.prefill_info_table:
+                row["state"] = 3 if addr in known else 1  # or not reached yet
             elif kv.heartbeat_failures.get(addr, 0) and not row["state"]:
                 row["state"] = 1
             if addr in served_at:
@@ -2371,12 +2373,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 + setups[addr]
                 + (addr in self._prefill_dp_rank_queries)
             )
-            for name in ("held_tokens", "held_reqs", "fenced_tokens", "waiting_reqs"):
-                row[name] += 0
-            row["state"] += 0
             out += [(f"sglang:pd_prefill_{n}", labels, v) for n, v in row.items()]
         for (addr, kind), n in failures.items():
-            labels = {**kv.peer_metric_labels, "prefill": addr, "kind": kind}
+            labels = {**metrics.labels, "prefill": addr, "kind": kind}
             out.append(("sglang:pd_prefill_failures", labels, n))
         metrics.rows = out
 
@@ -3889,6 +3888,7 @@ class SchedulerDisaggregationDecodeMixin:
         # Resolve held releases every iteration (before the retraction/polling
         # gates below) so their timeouts fire under memory pressure.
         self.disagg_decode_transfer_queue.resolve_deferred_releases()
+        self.disagg_decode_prealloc_queue.publish_peer_metrics()
 
         # try to resume retracted requests if there are enough space for another `num_reserved_decode_tokens` decode steps
         resumed_reqs = self.disagg_decode_prealloc_queue.resume_retracted_reqs()

@@ -437,6 +437,7 @@ class Rank:
     # -- one scheduling cycle (process_decode_queue) -----------------------
     def cycle(self) -> None:
         self.transfer.resolve_deferred_releases()
+        self.prealloc.publish_peer_metrics()
         admitted, _ = self.prealloc.pop_preallocated()
         self.transfer.extend(admitted)
         for req in self.transfer.pop_transferred():
@@ -541,6 +542,7 @@ def patched(
                 disaggregation_decode_host_receive_threshold=1.0,
                 disaggregation_decode_enable_radix_cache=False,
                 disaggregation_transfer_backend="mooncake",
+                disaggregation_decode_enable_offload_kvcache=False,
             ),
         ),
     ):

@@ -55,6 +55,17 @@ class TestNodeFailure(CustomTestCase):
         self.mgr._parallel_info_executor.futures[1].result(timeout=_WAIT_S)
         self.assertTrue(self.mgr.has_parallel_info(ADDR))
 
+    def test_a_failure_of_another_prefill_keeps_this_ones_fetch(self):
+        # With a fleet's churn, some prefill fails every few seconds: a healthy
+        # one's fetch must still publish, or its requests refetch without end.
+        fake = patch_get(self, FakeGet("block"))
+        self.assertFalse(self.mgr.try_ensure_parallel_info(ADDR))
+        self.assertTrue(fake.entered.wait(_WAIT_S))
+        self.mgr._handle_node_failure("10.9.9.9:8998")
+        fake.release.set()
+        self.mgr._parallel_info_executor.futures[0].result(timeout=_WAIT_S)
+        self.assertTrue(self.mgr.has_parallel_info(ADDR))
+
     def test_a_fetch_from_before_the_failure_ending_after_a_newer_one_started(self):
         # The failure lets the next request fetch at once, so the old fetch
         # can end while the new one runs: it must still publish nothing.

@@ -99,6 +99,7 @@ def make_decode_manager(workers: int = 2) -> CommonKVManager:
     mgr._parallel_info_executor = TrackedExecutor(workers)
     mgr._prefill_recompute_executor = mgr._parallel_info_executor
     mgr._parallel_info_inflight = set()
+    mgr._losses = defaultdict(int)
     mgr._parallel_info_fatal = None
     mgr._route_setups = {}
     mgr.session_pool = {}

@@ -11,15 +11,18 @@ _TransferScheduler with a fake clock. CPU-only, no sleeps.
 import os
 import tempfile
 import unittest
+from contextlib import ExitStack
 from types import SimpleNamespace
 from unittest import mock
 
-from decode_sim import Prefill
+from decode_sim import Prefill, run_ranks
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from test_decode_admission_edges import HEALTHY, STUCK, SimTestCase
 from test_prefill_transfer_scheduler import SICK, _mooncake_prefill, _room, _wait_status
 
+from sglang.srt import runtime_context
+from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.common import conn as conn_mod
 from sglang.srt.disaggregation.common.conn import (
@@ -56,13 +59,37 @@ def series(samples, name, **labels):
     return out
 
 
+LABELS = {"tp_rank": "0"}
+
+
+def sglang_context(enable_metrics=True, all_schedulers=False, **ranks):
+    """runtime_context's getters as a scheduler process has them published."""
+    parallel = dict(attn_tp_rank=0, attn_cp_rank=0, tp_rank=0, pp_rank=0)
+    parallel = {**parallel, "moe_ep_rank": 0, "dp_rank": None, **ranks}
+    observability = SimpleNamespace(
+        enable_metrics=enable_metrics,
+        enable_metrics_for_all_schedulers=all_schedulers,
+        extra_metric_labels={"cluster": "a"},
+    )
+    stack = ExitStack()
+    for name, value in (
+        ("get_parallel", SimpleNamespace(**parallel)),
+        ("get_observability", observability),
+        ("get_serving", SimpleNamespace(served_model_name="m")),
+    ):
+        stack.enter_context(
+            mock.patch.object(runtime_context, name, lambda v=value: v)
+        )
+    return stack
+
+
 class MetricsTestCase(CustomTestCase):
-    def metrics(self, rows=None):
+    def metrics(self, rows=None, labels=LABELS):
         directory = tempfile.TemporaryDirectory()
         self.addCleanup(directory.cleanup)
         self.dir = directory.name
         # No write of its own in a test: write() is called where it reads.
-        metrics = _PeerMetrics(rows, self.dir, interval=3600)
+        metrics = _PeerMetrics(rows, self.dir, labels, interval=3600)
         self.addCleanup(metrics._thread.join, 30)
         self.addCleanup(metrics.close)
         return metrics
@@ -102,35 +129,72 @@ class TestPeerMetricsFiles(MetricsTestCase):
             lambda: [("sglang:pd_transfer_workers_busy", {"rank": "0"}, 1)]
         )
         metrics.write()
+        # A scrape that listed the files just before the close reads them after.
+        listed = [os.path.join(self.dir, f) for f in os.listdir(self.dir)]
         self.assertTrue(scrape(self.dir))
         metrics.close()
         metrics._thread.join(30)
-        self.assertEqual(os.listdir(self.dir), [])
+        self.assertEqual(scrape(self.dir), {})
+        self.assertEqual(list(MultiProcessCollector.merge(listed)), [])
 
     def test_only_with_enable_metrics_and_sglangs_directory(self):
-        on = SimpleNamespace(enable_metrics=True)
         with mock.patch.dict(os.environ, {"PROMETHEUS_MULTIPROC_DIR": ""}):
-            self.assertIsNone(_PeerMetrics.start(on, None))
+            with sglang_context():
+                self.assertIsNone(_PeerMetrics.start("decode", None))
         with tempfile.TemporaryDirectory() as directory, mock.patch.dict(
             os.environ, {"PROMETHEUS_MULTIPROC_DIR": directory}
         ):
-            off = SimpleNamespace(enable_metrics=False)
-            self.assertIsNone(_PeerMetrics.start(off, None))
-            metrics = _PeerMetrics.start(on, None)
+            with sglang_context(enable_metrics=False):
+                self.assertIsNone(_PeerMetrics.start("decode", None))
+            # Not a scheduler process: its context is not published.
+            self.assertIsNone(_PeerMetrics.start("decode", None))
+            with sglang_context():
+                metrics = _PeerMetrics.start("decode", None)
             self.assertIsInstance(metrics, _PeerMetrics)
             metrics.close()
             metrics._thread.join(30)
 
+    def test_each_rank_writes_under_sglangs_scheduler_labels(self):
+        # DP-attention replicas and PP stages share an engine rank: each needs
+        # series of its own. Attention-TP ranks other than 0 write none, as
+        # sglang's scheduler metrics, unless it writes for all schedulers.
+        ranks = [dict(dp_rank=0), dict(dp_rank=1, tp_rank=1), dict(pp_rank=1)]
+        ranks += [dict(attn_tp_rank=1, tp_rank=2)]
+        with tempfile.TemporaryDirectory() as directory, mock.patch.dict(
+            os.environ, {"PROMETHEUS_MULTIPROC_DIR": directory}
+        ):
+            started = []
+            for rank in ranks:
+                with sglang_context(**rank):
+                    started.append(_PeerMetrics.start("decode", None))
+            self.assertIsNone(started.pop())
+            with sglang_context(all_schedulers=True, **ranks[-1]):
+                started.append(_PeerMetrics.start("decode", None))
+            for metrics in started:
+                self.addCleanup(metrics._thread.join, 30)
+                self.addCleanup(metrics.close)
+                labels = {**metrics.labels, "prefill": "a:1"}
+                metrics.rows = [("sglang:pd_prefill_state", labels, 2)]
+                metrics.write()
+            samples = scrape(directory)
+        states = [dict(k[1]) for k in samples if k[0] == "sglang:pd_prefill_state"]
+        self.assertEqual(len(states), 4)
+        self.assertEqual(
+            states[0].keys() - {"dp_rank"},
+            {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"}
+            | {"cluster", "prefill"},
+        )
+        self.assertEqual({s["engine_type"] for s in states}, {"decode"})
+
 
 class TestDecodeSeries(SimTestCase, MetricsTestCase):
-    TOKENS, SLOTS, TIMEOUT = 8192, 64, 30.0
+    TOKENS, SLOTS, TIMEOUT = 16384, 64, 30.0
 
     def setUp(self):
         super().setUp()
         self.rank = self.healthy_and_stuck()
         kv = self.rank.kv_manager
         kv.peer_metrics = self.metrics()
-        kv.peer_metric_labels = {"rank": "0"}
         kv._route_setups = {}
         kv.parallel_info_fetch_in_flight = lambda addr: False
         self.rank.prealloc._prefill_dp_rank_queries = {}
@@ -197,6 +261,72 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
             {dict(labels).get("prefill") for (_, labels) in samples}, {HEALTHY}
         )
 
+    def test_held_at_its_share_is_what_admission_decided(self):
+        self.run_for(40, self.one_each_second)
+        for _ in range(20):  # rows built at every cycle's phase
+            self.rank.prealloc._peer_metrics_due = 0.0
+            self.run_for(0.1)
+            state = series(self.scrape(), "sglang:pd_prefill_state")
+            held = [r for r in self.rank.prealloc.queue if r.held_since is not None]
+            self.assertTrue(held)
+            self.assertEqual(state, {STUCK: 2, HEALTHY: 0})
+
+    def test_client_cancellations_are_not_failures_and_not_fenced(self):
+        # A healthy prefill that acknowledges no ABORT (NIXL, Mori): its
+        # cancelled rooms wait out the release timeout, as in 0.5.23, and are
+        # fenced only past it.
+        self.world.prefills[HEALTHY].acks = False
+        rooms = [self.add(HEALTHY) for _ in range(3)]
+        self.run_for(0.2)
+        sent = {r.req.bootstrap_room for r in self.rank.transfer.queue}
+        self.assertEqual(sent, set(rooms))
+        for room in rooms + [self.add(HEALTHY)]:  # one still waiting for KV
+            self.rank.client_abort(room)
+        self.run_for(2)
+        samples = self.scrape()
+        self.assertEqual(series(samples, "sglang:pd_prefill_failures_total"), {})
+        fenced = series(samples, "sglang:pd_prefill_fenced_tokens")
+        self.assertEqual(fenced[HEALTHY], 0)
+        self.assertEqual(series(samples, "sglang:pd_prefill_state")[HEALTHY], 0)
+
+    def test_fenced_past_the_release_timeout(self):
+        self.run_for(5, self.one_each_second)
+        for room in [r.req.bootstrap_room for r in self.rank.transfer.queue]:
+            self.rank.client_abort(room)
+        self.run_for(2)
+        fenced = series(self.scrape(), "sglang:pd_prefill_fenced_tokens")
+        self.assertEqual(fenced, {STUCK: 0, HEALTHY: 0})
+        self.run_for(30)  # the release timeout: the stuck one may still write
+        fenced = series(self.scrape(), "sglang:pd_prefill_fenced_tokens")
+        self.assertEqual(fenced[HEALTHY], 0)
+        self.assertGreater(fenced[STUCK], 0)
+
+    def test_a_prefill_never_reached_is_not_shown_answering(self):
+        addr = "10.3.0.1:8998"
+        self.world.prefills[addr] = Prefill(addr, 0.5)  # no parallel info yet
+        self.add(addr)
+        self.run_for(1)
+        self.assertEqual(series(self.scrape(), "sglang:pd_prefill_state")[addr], 1)
+
+    def test_rows_are_built_while_retracted_requests_wait(self):
+        self.run_for(5, self.one_each_second)
+        prealloc, kv = self.rank.prealloc, self.rank.kv_manager
+        prealloc.retracted_queue = [object()]  # admission is skipped
+        prealloc.resume_retracted_reqs = lambda: []
+        kv.peer_metrics.rows = []
+        scheduler = SimpleNamespace(
+            enable_decode_hicache=False,
+            scheduler_stage_metrics=None,
+            disagg_decode_transfer_queue=self.rank.transfer,
+            disagg_decode_prealloc_queue=prealloc,
+            waiting_queue=[],
+        )
+        self.world.now += 1
+        process = decode_mod.SchedulerDisaggregationDecodeMixin.process_decode_queue
+        run_ranks(self.ranks, self.collectives, lambda rank: process(scheduler))
+        held = series(self.scrape(), "sglang:pd_prefill_held_tokens")
+        self.assertEqual(held[STUCK], self.share_tokens_held_by(STUCK))
+
     def test_prefills_coming_and_going_leave_no_series(self):
         # P15's churn: 1,000 prefill addresses, ten at a time, each serves a
         # request and goes (the heartbeat declares it failed).
@@ -259,11 +389,16 @@ class TestPrefillSeries(MetricsTestCase):
             self.assertEqual(failed, {"10.0.0.9:1": 2})
             queued = series(samples, "sglang:pd_decode_rooms_queued")
             self.assertEqual(queued, {"10.0.0.9:1": 0})  # the healthy one drained
-            # The worker leaves the failed decode, which is forgotten: its
-            # series go with it.
+            # The worker leaves the failed decode. Its failures stay a minute
+            # after the last with nothing queued for it (forgotten or not: NIXL
+            # and Mori never forget), then go.
             with scheduler._lock:
                 worker._leave()
-            scheduler.forget("10.0.0.9:1")
+            clock.now += 59
+            metrics.write()
+            failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
+            self.assertEqual(failed, {"10.0.0.9:1": 2})
+            clock.now += 1
             metrics.write()
             failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
             self.assertEqual(failed, {})
@@ -284,6 +419,21 @@ class TestPrefillSeries(MetricsTestCase):
         self.assertEqual(
             dict(mgr._transfer_scheduler._failed), {((SICK,), "session"): 1}
         )
+
+    def test_a_room_its_decode_aborted_is_not_a_failure(self):
+        # The decode's ABORT (a client cancelled, or it gave up on the room)
+        # marks the room Failed while its chunk is sent; the worker then
+        # concludes it Failed. No failure of that decode.
+        mgr = _mooncake_prefill(workers=1)
+        self.addCleanup(mgr._transfer_scheduler.shutdown)
+        self.addCleanup(lambda: [g.set() for g in list(mgr.gates.values())])
+        mgr.peer_metrics = self.metrics()
+        _room(mgr, 1, SICK)
+        self.assertTrue(mgr.entered[SICK].wait(30))
+        mgr.update_status(1, KVPoll.Failed)  # as the ABORT handlers do
+        mgr.gates[SICK].set()
+        self.assertEqual(_wait_status(mgr, 1), KVPoll.Failed)
+        self.assertEqual(dict(mgr._transfer_scheduler._failed), {})
 
     def test_every_name_written_is_registered(self):
         for name, (typ, help_text) in PD_PEER_METRICS.items():

@@ -238,6 +238,7 @@ class _TransferScheduler:
         # queued, and rooms failed by (destination, kind).
         self._sending: Dict[tuple, float] = {}
         self._failed: Dict[Tuple[tuple, str], int] = defaultdict(int)
+        self._failed_at: Dict[tuple, float] = {}
 
     def put(self, destination: tuple, chunk) -> None:
         with self._lock:
@@ -251,13 +252,17 @@ class _TransferScheduler:
     def note_failed(self, destination: tuple, kind: str) -> None:
         with self._lock:
             self._failed[destination, kind] += 1
+            self._failed_at[destination] = time.monotonic()
 
     def metric_rows(self, labels: Dict[str, str]) -> list:
         now, rows = time.monotonic(), []
         with self._lock:
             for key in list(self._failed):
-                if key[0] not in self._chunks and key[0] not in self._contacted:
-                    del self._failed[key]  # a decode gone: its series go
+                # A decode with nothing queued a minute after its last failure:
+                # its series go.
+                if key[0] not in self._chunks and now - self._failed_at[key[0]] >= 60:
+                    del self._failed[key]
+                    self._failed_at.pop(key[0], None)
             for (destination, kind), n in self._failed.items():
                 peer = {**labels, "decode": ",".join(destination), "kind": kind}
                 rows.append(("sglang:pd_decode_rooms_failed", peer, n))
@@ -368,7 +373,8 @@ PD_PEER_METRICS = {
     ),
     "sglang:pd_prefill_state": (
         "gauge",
-        "0 answering, 1 missed a heartbeat, 2 held at its share, 3 failed.",
+        "0 answering, 1 missed a heartbeat or not reached yet, 2 held at its share, "
+        "3 failed.",
     ),
     "sglang:pd_prefill_seconds_since_transfer": (
         "gauge",
@@ -406,23 +412,54 @@ PD_PEER_METRICS = {
 }
 
 
+def _scheduler_metric_labels(engine_type: str) -> Optional[Dict[str, str]]:
+    """This scheduler's labels on sglang's own metrics, or None where it exports
+    none (SchedulerMetricsCollector.init_new's rule): the series of DP replicas
+    and PP stages never collide, and attention-TP ranks write them once."""
+    from sglang.srt.runtime_context import (
+        get_observability,
+        get_parallel,
+        get_serving,
+    )
+
+    observability, parallel = get_observability(), get_parallel()
+    if not observability.enable_metrics or not (
+        (parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0)
+        or observability.enable_metrics_for_all_schedulers
+    ):
+        return None
+    labels = {
+        "model_name": get_serving().served_model_name,
+        "engine_type": engine_type,
+        "tp_rank": parallel.tp_rank,
+        "pp_rank": parallel.pp_rank,
+        "moe_ep_rank": parallel.moe_ep_rank,
+    }
+    if parallel.dp_rank is not None:
+        labels["dp_rank"] = parallel.dp_rank
+    labels.update(observability.extra_metric_labels or {})
+    return {name: str(value) for name, value in labels.items()}
+
+
 class _PeerMetrics:
     """Writes a process's per-peer series for sglang's /metrics. sglang runs
     prometheus_client in multiprocess mode, where a series once written stays
     until its process exits; so they are written whole every ``interval`` s,
     a file per type in PROMETHEUS_MULTIPROC_DIR replaced atomically, and a
     peer gone is gone from the next file. ``rows()`` runs on this object's own
-    thread and returns [(name, labels, value)]."""
+    thread and returns [(name, labels, value)], labels starting with
+    ``labels`` (the scheduler's)."""
 
     rows: list = []  # what rows() returns without one: set by the decode
 
-    def __init__(self, rows: Optional[Callable], directory: str, interval=1.0):
+    def __init__(self, rows: Optional[Callable], directory: str, labels, interval=1):
         tag = f"{os.getpid()}pd{id(self)}"  # no "_": the collector splits on it
         self._paths = {
             "gauge": os.path.join(directory, f"gauge_livemostrecent_{tag}.db"),
             "counter": os.path.join(directory, f"counter_{tag}.db"),
         }
         self._rows, self._interval = rows or (lambda: self.rows), interval
+        self.labels: Dict[str, str] = labels
         # The decode's scheduler thread's, for the rows it builds.
         self.served_at: Dict[str, float] = {}
         self.failures: Dict[Tuple[str, str], int] = defaultdict(int)
@@ -433,11 +470,15 @@ class _PeerMetrics:
         self._thread.start()
 
     @classmethod
-    def start(cls, server_args, rows) -> Optional["_PeerMetrics"]:
+    def start(cls, engine_type: str, rows) -> Optional["_PeerMetrics"]:
+        """With --enable-metrics, on the ranks that write sglang's scheduler
+        metrics, in a scheduler process."""
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if not getattr(server_args, "enable_metrics", False) or not directory:
-            return None
-        return cls(rows, directory)
+        try:
+            labels = _scheduler_metric_labels(engine_type) if directory else None
+        except ValueError:  # runtime context not published: not a scheduler
+            labels = None
+        return cls(rows, directory, labels) if labels is not None else None
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -445,15 +486,15 @@ class _PeerMetrics:
                 self.write()
             except Exception:
                 logger.exception("Could not write the PD per-peer metrics")
-        for path in self._paths.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        # Emptied, not removed: a /metrics that listed the files reads them.
+        with contextlib.suppress(Exception):
+            self.write(rows=[])
 
-    def write(self) -> None:
+    def write(self, rows=None) -> None:
         from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
         samples = {"gauge": {}, "counter": {}}
-        for name, labels, value in self._rows():
+        for name, labels, value in self._rows() if rows is None else rows:
             typ, help_text = PD_PEER_METRICS[name]
             sample = f"{name}_total" if typ == "counter" else name
             key = mmap_key(name, sample, list(labels), list(labels.values()), help_text)
@@ -829,9 +870,8 @@ class CommonKVManager(BaseKVManager):
                     + envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                 )
 
-        self.peer_metric_labels = {"rank": str(getattr(args, "engine_rank", 0))}
         self.peer_metrics = _PeerMetrics.start(
-            server_args,
+            self.disaggregation_mode.value,
             (
                 self._peer_metric_rows
                 if self.disaggregation_mode == DisaggregationMode.PREFILL
@@ -924,8 +964,8 @@ class CommonKVManager(BaseKVManager):
             self._prefill_recompute_executor = self._parallel_info_executor
             # Addrs with a parallel-info fetch outstanding, under connection_lock.
             self._parallel_info_inflight: Set[str] = set()
-            # Heartbeat failures: a fetch that saw one publishes nothing.
-            self._node_failure_count = 0
+            # Heartbeat failures by prefill: a fetch that saw one publishes nothing.
+            self._losses: Dict[str, int] = defaultdict(int)
             # A config mismatch found on the fetch thread, re-raised on the
             # scheduler thread by raise_parallel_info_error().
             self._parallel_info_fatal: Optional[BaseException] = None
@@ -1319,12 +1359,18 @@ class CommonKVManager(BaseKVManager):
                 failure_reason = self.failure_records.setdefault(
                     bootstrap_room, failure_reason or "KV transfer failed"
                 )
-            # Counted for /metrics only: pruned when written.
+            # Counted for /metrics only (pruned when written): once a room,
+            # and not a room its decode aborted (it marked it Failed).
             scheduler = getattr(self, "_transfer_scheduler", None)
             infos = self.transfer_infos.get(bootstrap_room)  # read once
-            if getattr(self, "peer_metrics", None) and scheduler and infos:
+            if (
+                getattr(self, "peer_metrics", None)
+                and scheduler
+                and infos
+                and self.request_status.get(bootstrap_room) != KVPoll.Failed
+            ):
                 scheduler.note_failed(
-                    tuple(sorted(map(str, infos))),
+                    self._destination_of(infos),
                     "session" if "is not alive" in failure_reason else "transfer",
                 )
 
@@ -2001,7 +2047,7 @@ class CommonKVManager(BaseKVManager):
         """Fetch-executor body: fetch, check and cache the parallel info of
         ``bootstrap_addr``, and clear its in-flight marker in every outcome."""
         info = None
-        failures = getattr(self, "_node_failure_count", 0)
+        failures = getattr(self, "_losses", {}).get(bootstrap_addr)
         try:
             info = self._fetch_parallel_info(bootstrap_addr)
             if info is not None:
@@ -2023,7 +2069,7 @@ class CommonKVManager(BaseKVManager):
                 if (
                     info is not None
                     and bootstrap_addr in self._parallel_info_inflight
-                    and getattr(self, "_node_failure_count", 0) == failures
+                    and getattr(self, "_losses", {}).get(bootstrap_addr) == failures
                 ):
                     self.prefill_info_table[bootstrap_addr] = info
                 self._parallel_info_inflight.discard(bootstrap_addr)
@@ -2374,14 +2420,16 @@ class CommonKVManager(BaseKVManager):
         _TransferScheduler, or 0.5.23's ``queues[shard_idx]`` without one."""
         if self._transfer_scheduler is None:
             return queues[shard_idx]
-        return _Inbox(self._transfer_scheduler, self._destination_of(room))
+        destination = self._destination_of(self.transfer_infos[room])
+        return _Inbox(self._transfer_scheduler, destination)
 
-    def _destination_of(self, room: int) -> tuple:
-        return tuple(sorted(map(str, self.transfer_infos[room])))
+    @staticmethod
+    def _destination_of(infos) -> tuple:
+        return tuple(sorted(map(str, infos)))
 
     def _peer_metric_rows(self) -> list:
         scheduler = self._transfer_scheduler
-        return scheduler.metric_rows(self.peer_metric_labels) if scheduler else []
+        return scheduler.metric_rows(self.peer_metrics.labels) if scheduler else []
 
     def get_mha_kv_ptrs_with_pp(
         self, src_kv_ptrs: List[int], dst_kv_ptrs: List[int]
@@ -2769,7 +2817,7 @@ class CommonKVManager(BaseKVManager):
             # A fetch still running for it publishes nothing: what it got may
             # predate the failure. The next request fetches again.
             self._parallel_info_inflight.discard(failed_bootstrap_addr)
-            self._node_failure_count = getattr(self, "_node_failure_count", 0) + 1
+            getattr(self, "_losses", defaultdict(int))[failed_bootstrap_addr] += 1
             # A prefill that a later request reaches again starts with no
             # misses; a kept count would drop it at its first missed heartbeat.
             self.heartbeat_failures.pop(failed_bootstrap_addr, None)
