@@ -28,7 +28,14 @@ in-process bootstrap servers that answer /health until they are frozen.
   bootstrap queries for one request, then goes away and is declared failed.
   The decode's threads, open fds and PD tables (decode_tables), idle after
   the first 50 and idle after all 1,000 (patched only; timers shortened:
-  heartbeat every 2 s, a prefill's threads end after 2 s idle).
+  heartbeat every 2 s, a prefill's threads end after 2 s idle; its heartbeat
+  probe thread after 60 s, so idle is measured 62 s after). With
+  ``--metrics``, also the per-peer series on the decode's /metrics at the
+  peak and a minute after the last prefill went (patched only).
+- ``--metrics``: the decode's per-peer metrics on (patch 11, as with sglang's
+  --enable-metrics: a _PeerMetrics writing a temporary multiprocess
+  directory every second, rows built in each cycle): P11 and P15 measured
+  with them. Stock has none: the switch does nothing there.
 - The decode's threads and open fds with 64 frozen prefills, and after they
   are gone (lane threads started in that scenario end after 2 s idle, 60 s
   by default). Each scenario starts 1 s after the previous one's clean-up.
@@ -63,6 +70,7 @@ from bench_stall import dp_query_faults  # noqa: E402
 
 PERIOD_S = 0.005
 LANE_IDLE_S = 2.0
+PROBE_IDLE_S = 60.0  # the heartbeat's probe threads (_PrefillThreads' default)
 QUIET_S = 1.0
 HOST = "127.0.0.1"
 
@@ -296,6 +304,35 @@ class Bench:
                 hole.close()
             self.settle([h.addr for h in holes])
 
+    # -- per-peer metrics ---------------------------------------------------
+
+    def start_metrics(self) -> bool:
+        """The decode's per-peer metrics, as --enable-metrics starts them."""
+        if not self.patched:
+            return False
+        import tempfile
+
+        from sglang.srt.disaggregation.common.conn import _PeerMetrics
+
+        self.metrics_dir = tempfile.mkdtemp(prefix="bench-fleet-metrics-")
+        mgr = self.cluster.decode.kv_manager
+        mgr.peer_metrics = _PeerMetrics(None, self.metrics_dir, {"tp_rank": "0"})
+        return True
+
+    def peer_series(self) -> set:
+        """The prefill addresses with a series on /metrics now."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.metrics_dir)
+        return {
+            s.labels["prefill"]
+            for family in registry.collect()
+            for s in family.samples
+            if "prefill" in s.labels
+        }
+
     # -- P11 --------------------------------------------------------------
 
     def healthy_cpu(self, cycles: int = 400, every: int = 4, repeats: int = 5):
@@ -425,6 +462,8 @@ class Bench:
         pool._idle_s = LANE_IDLE_S
         mgr.heartbeat_interval = 2.0
         d.run_for(6.0, period_s=0.05)  # the heartbeat picks its interval up
+        metrics = getattr(mgr, "peer_metrics", None) is not None
+        peak_series = [0]
 
         def come_and_go():
             servers = [HealthServer(info) for _ in range(wave)]
@@ -432,6 +471,9 @@ class Bench:
                 d.add(s.addr)
             d.run_for(2.0, period_s=0.02)  # its bootstrap queries
             peak = threads_and_fds()
+            if metrics:
+                time.sleep(1.1)  # the metrics thread's next write
+                peak_series[0] = max(peak_series[0], len(self.peer_series()))
             for s in servers:
                 s.close()
             deadline = time.monotonic() + 30
@@ -443,9 +485,10 @@ class Bench:
 
         def idle():
             # Everything idle runs out: a prefill's threads, and the
-            # heartbeat's probes of the prefills.
+            # heartbeat's probe thread of each prefill (60 s after its last
+            # probe, which this bench does not shorten).
             d.abort_all()
-            d.run_for(12.0, period_s=0.05)
+            d.run_for(PROBE_IDLE_S + 2.0, period_s=0.05)
             return threads_and_fds(), decode_tables(mgr)
 
         try:
@@ -460,12 +503,25 @@ class Bench:
                 self.say(f"P15 {start + wave} of {total} come and gone")
             churn_s = time.monotonic() - t_start
             after, state_after = idle()
+            series = None
+            if metrics:
+                # The real decode releases a failed prefill's fenced pages at
+                # their deadline; the harness only on forget_prefill. Then a
+                # failed prefill's series stay a minute after its last request.
+                fenced = {f.kv_receiver.bootstrap_addr for _, f in d.quarantined}
+                for addr in fenced - {healthy.addr}:
+                    d.forget_prefill(addr)
+                d.run_for(62.0, period_s=0.05)
+                time.sleep(1.1)
+                left = self.peer_series() - {healthy.addr}
+                series = {"peak": peak_series[0], "left": len(left)}
         finally:
             pool._idle_s, mgr.heartbeat_interval = saved
         return {
             "total": total,
             "wave": wave,
             "churn_s": churn_s,
+            "series": series,
             "before": {"threads": before[0], "fds": before[1]},
             "peak": {"threads": peak[0], "fds": peak[1]},
             "after": {"threads": after[0], "fds": after[1]},
@@ -514,6 +570,7 @@ class Bench:
         }
         with harness.Cluster(self.args.backend, 1) as cluster:
             self.cluster = cluster
+            out["metrics"] = self.start_metrics() if self.args.metrics else False
             want = self.args.scenarios
             ks = (0, 8, 16, 32, 64) if self.patched else (0, 1, 4)
             if quick:
@@ -569,6 +626,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--backend", default="mooncake", choices=["mooncake", "nixl"])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--metrics", action="store_true", help="per-peer metrics on")
     ap.add_argument(
         "--scenarios",
         default="p9,p10,p11,p12,p12b,resources,p15",

@@ -208,7 +208,8 @@ def report(stock, patched, png_name):
         "## P11: scheduler-thread CPU per admitted request, healthy, no faults",
         "",
         "The same 400 cycles (5 ms apart) with a request every 4th cycle, less "
-        "400 without requests, per request admitted; median of 5.",
+        "400 without requests, per request admitted; median of 5. Per-peer "
+        f"metrics (patch 11) {'on' if patched.get('metrics') else 'off'}.",
         "",
         "| | requests served | CPU per request |",
         "|---|---|---|",
@@ -296,7 +297,8 @@ def report(stock, patched, png_name):
             "answers the bootstrap queries of one request, then is killed and "
             "declared failed (heartbeat every 2 s; lane threads and keep-alive "
             "connections end after 2 s idle, orphaned rooms are kept 5 s). "
-            "'Idle' is measured 12 s after the last of a run of waves, the "
+            "'Idle' is measured 62 s after the last of a run of waves (a "
+            "prefill's heartbeat probe thread ends 60 s after its last probe), the "
             f"baseline after the first {p15['wave']}.",
             "",
             "| | idle, baseline | peak | idle, after all |",
@@ -310,6 +312,12 @@ def report(stock, patched, png_name):
                 for k in keys
             ],
         ]
+        if p15.get("series"):
+            lines.append(
+                f"| prefills with series on /metrics (--metrics; the healthy one "
+                f"excluded after) | | {p15['series']['peak']} | "
+                f"{p15['series']['left']} (a minute after the last went) |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -489,32 +489,41 @@ def health_poller(url, t0, stop: threading.Event, rows: List[dict], interval=0.5
 # prefill, and the prefill's view of each decode.
 PEER_SERIES = (
     "sglang:pd_prefill_held_tokens",
+    "sglang:pd_prefill_held_reqs",
     "sglang:pd_prefill_fenced_tokens",
     "sglang:pd_prefill_waiting_reqs",
     "sglang:pd_prefill_state",
+    "sglang:pd_prefill_fetches_in_flight",
     "sglang:pd_decode_oldest_chunk_age_seconds",
     "sglang:pd_decode_rooms_queued",
 )
 
 
-def metrics_poller(url, t0, stop: threading.Event, rows: List[dict], interval=1.0):
-    """Scrape ``url``/metrics every ``interval`` s for PEER_SERIES, as
-    Prometheus would; a stock server has none of them."""
+def scrape_peer_series(url, t0) -> List[dict]:
+    """PEER_SERIES on ``url``/metrics now, as Prometheus would see them; none
+    from a stock server, or a frozen one."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    start, rows = time.monotonic(), []
+    try:
+        text = requests.get(url + "/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in PEER_SERIES:
+                    rows.append(
+                        {"t": start - t0, "name": sample.name,
+                         "labels": sample.labels, "value": sample.value}
+                    )  # fmt: skip
+    except (requests.RequestException, ValueError):
+        pass
+    return rows
+
+
+def metrics_poller(url, t0, stop: threading.Event, rows: List[dict], interval=1.0):
+    """Scrape ``url``/metrics every ``interval`` s for PEER_SERIES."""
     while not stop.is_set():
         start = time.monotonic()
-        try:
-            text = requests.get(url + "/metrics", timeout=5).text
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name in PEER_SERIES:
-                        rows.append(
-                            {"t": start - t0, "name": sample.name,
-                             "labels": sample.labels, "value": sample.value}
-                        )  # fmt: skip
-        except (requests.RequestException, ValueError):
-            pass  # a frozen server: no point this second
+        rows += scrape_peer_series(url, t0)
         stop.wait(max(0.0, interval - (time.monotonic() - start)))
 
 

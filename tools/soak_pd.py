@@ -73,7 +73,9 @@ from demo_pd import (  # noqa: E402
     free_ports,
     health_poller,
     listener_pid,
+    metrics_poller,
     scheduler_pid,
+    scrape_peer_series,
     one_request,
     server_cmd,
     server_env,
@@ -699,6 +701,13 @@ def run(args, procs: SoakProcesses) -> dict:
     metrics.start()
     health: List[dict] = []
     stop = threading.Event()
+    # The decode's per-prefill series (patch 11), for the report's plot.
+    peer_metrics: List[dict] = []
+    threading.Thread(
+        target=metrics_poller,
+        args=(dep.urls["decode"], t0, stop, peer_metrics),
+        daemon=True,
+    ).start()
     threading.Thread(
         target=health_poller, args=(dep.urls["decode"], t0, stop, health), daemon=True
     ).start()
@@ -794,6 +803,7 @@ def run(args, procs: SoakProcesses) -> dict:
     # Give the decode one more state log interval, then read its last line.
     time.sleep(STATE_LOG_INTERVAL_S + 1)
     states, failures = read_decode_log(out / "decode.log", t0_wall)
+    peer_end = scrape_peer_series(dep.urls["decode"], t0)  # idle by now
     mem.stop_event.set()
     return {
         "variant": variant,
@@ -822,6 +832,11 @@ def run(args, procs: SoakProcesses) -> dict:
         "resources": {"warm": warm_resources, "end": end_resources, "series": res.rows},
         "metrics": {"start": metrics_start, "end": metrics_end, "series": metrics.rows},
         "decode_failure_lines": failures,
+        "peer_metrics": peer_metrics,
+        "peer_end": peer_end,
+        "peer_names": {
+            f"{HOST}:{dep.ports[p][1]}": p for p in PREFILLS
+        },
         "t0_wall": t0_wall,
         "decode_waiting_timeout_s": None if args.router_defaults else DECODE_WAITING_TIMEOUT_S,
         "decode_state": {"last": states[-1] if states else None, "lines": len(states),

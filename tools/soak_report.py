@@ -48,6 +48,14 @@ TABLES_EMPTY = (
     "request_status",
     "control_msgs_queued",
 )
+# The per-prefill series that must be 0 at the end, by the name above.
+PEER_EMPTY = {
+    "sglang:pd_prefill_held_reqs": "held_reqs",
+    "sglang:pd_prefill_fenced_tokens": "fenced_tokens",
+    "sglang:pd_prefill_waiting_reqs": "waiting_reqs",
+    "sglang:pd_prefill_fetches_in_flight": "fetches_in_flight",
+}
+TABLES_EMPTY += tuple(PEER_EMPTY.values())
 TABLES_BOUNDED = {
     "prefills": 2,
     "route_cache": 2,
@@ -195,6 +203,13 @@ def summarize(r: dict) -> dict:
     }
 
     state = (r.get("decode_state") or {}).get("last")
+    if state is None and r.get("peer_end"):
+        # The rebuilt decode logs no tables: its per-prefill series on
+        # /metrics (patch 11) at the end, summed over the prefills.
+        state = Counter()
+        for x in r["peer_end"]:
+            if x["name"] in PEER_EMPTY:
+                state[PEER_EMPTY[x["name"]]] += x["value"]
     s["state"] = state
     if state is not None:
         s["tables_bad"] = {k: state[k] for k in TABLES_EMPTY if state.get(k)}
@@ -277,8 +292,7 @@ def goals(r: dict, s: dict) -> List[tuple]:
         f"(bound +{FDS_BOUND}), RSS {100 * gr['rss']:+.1f}% (bound 10%)"
     )
     if s["state"] is None:
-        # Stock logs no tables; neither does this build (its state log line
-        # went with the rebuild of the decode side): judged on the rest.
+        # Stock exposes no tables: judged on the rest.
         fig += "; tables: not exposed"
     elif s["tables_bad"]:
         fig += f"; tables not drained: {s['tables_bad']}"
@@ -491,9 +505,9 @@ def tables(results: List[dict]) -> str:
         )
     out.append("")
     out.append(
-        "Decode tables at the end (its last `PD decode state` log line; "
-        "the patch logs one when they change, at most every "
-        "SGLANG_LOG_SCHEDULER_STATUS_INTERVAL)"
+        "Decode tables at the end: its last `PD decode state` log line (earlier "
+        "builds), or its per-prefill series on /metrics summed over the "
+        "prefills (patch 11; stock exposes neither)"
     )
     out.append("")
     for r, s in zip(results, sums):
@@ -562,28 +576,29 @@ def plot(results: List[dict], path: Path) -> None:
 
     n = len(results)
     fig, axes = plt.subplots(
-        3,
+        4,
         n,
-        figsize=(7.5 * n, 10),
+        figsize=(7.5 * n, 12.5),
         squeeze=False,
         sharex="col",
         sharey="row",
-        gridspec_kw={"height_ratios": [3, 1.3, 1.3]},
+        gridspec_kw={"height_ratios": [3, 1.3, 1.3, 1.3]},
     )
     colors = {"prefill1": "tab:blue", "prefill2": "tab:green", None: "tab:gray"}
     for col, r in enumerate(results):
-        ax, hx, rx = axes[0][col], axes[1][col], axes[2][col]
+        ax, hx, rx, px = (axes[i][col] for i in range(4))
         windows = fault_windows(r)
         for w in windows:
             # prefill1's faults in the lower half of the band, prefill2's upper.
             lo, hi = (0.0, 0.5) if w["target"] == "prefill1" else (0.5, 1.0)
-            for a in (ax, hx, rx):
+            for a in (ax, hx, rx, px):
                 a.axvspan(
                     w["t_start"], w["end"], ymin=lo, ymax=hi,
                     color=KIND_COLORS[w["kind"]], alpha=0.18, lw=0,
                 )  # fmt: skip
-        for a in (ax, hx, rx):
+        for a in (ax, hx, rx, px):
             a.grid(True, alpha=0.3)
+        plot_held(px, r, colors)
         t_cut = r["t_cut"]
         for pf in ("prefill1", "prefill2", None):
             rows = [x for x in r["requests"] if served_by(x) == pf]
@@ -625,13 +640,32 @@ def plot(results: List[dict], path: Path) -> None:
         lines = rx.get_legend_handles_labels()
         l2 = r2.get_legend_handles_labels()
         rx.legend(lines[0] + l2[0], lines[1] + l2[1], loc="lower right", fontsize=7)
-        rx.set_xlabel(
+        px.set_xlabel(
             "time since the load started (s); shaded: faults, prefill1 lower half, "
             "prefill2 upper half"
         )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_held(ax, r: dict, colors: dict) -> None:
+    """What each prefill holds of the decode's KV, scraped from the decode's
+    /metrics during the run (patch 11; stock has none)."""
+    lines: dict = {}
+    for x in r.get("peer_metrics") or []:
+        if x["name"] == "sglang:pd_prefill_held_tokens":
+            peer = (r.get("peer_names") or {}).get(x["labels"].get("prefill"))
+            lines.setdefault(peer, []).append((x["t"], x["value"]))
+    for peer, points in sorted(lines.items(), key=lambda kv: str(kv[0])):
+        ax.plot(*zip(*points), ".-", ms=2, lw=1, color=colors.get(peer, "tab:gray"),
+                label=peer or "other")  # fmt: skip
+    if lines:
+        ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
+    else:
+        ax.text(0.5, 0.5, "no per-peer series (stock 0.5.23)", ha="center",
+                va="center", transform=ax.transAxes)  # fmt: skip
+    ax.set_ylabel("decode /metrics:\nKV tokens held, per prefill")
 
 
 def summarize_text(r: dict) -> str:

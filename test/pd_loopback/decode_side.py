@@ -208,6 +208,9 @@ class DecodeSide:
             self._drop_failed()
             self._prealloc()
             self._poll_transfers()
+            if getattr(self.kv_manager, "peer_metrics", None) is not None:
+                # With --enable-metrics, as process_decode_queue (patched).
+                self.queue.publish_peer_metrics()
         t1 = rec.t1
         # Left pending_reqs in this call: its receiver was initialised (or it
         # was aborted, which _drop_failed has recorded by now).
@@ -295,10 +298,11 @@ class DecodeSide:
         patched = hasattr(queue, "_prefill_shares")
         if patched:
             queue.transfer_queue.queue = [t.decode_req for t in self.transferring]
+            # (decode_req, start, deadline, metadata slot, acks), held past
+            # the deadline: fenced.
             queue.transfer_queue._deferred_releases = [
-                (fenced,) for _, fenced in self.quarantined
+                (fenced, 0.0, 0.0, None, 0) for _, fenced in self.quarantined
             ]
-            shares = queue._prefill_shares()
         moved = []
         for decode_req in queue.queue:
             if not decode_req.waiting_for_input:
@@ -306,9 +310,9 @@ class DecodeSide:
             t = self._by_decode_req.get(id(decode_req))
             if t is None:
                 continue
-            if shares is not None and queue._held_at_share(
-                decode_req, shares, skipped, now
-            ):
+            if patched and shares is None:  # once, if one may be admitted
+                shares = queue._prefill_shares()
+            if patched and queue._held_at_share(decode_req, shares, skipped, now):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)
             if kv_indices is None or self.metadata_allocator.available_size() <= 0:

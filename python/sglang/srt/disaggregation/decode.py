@@ -1659,9 +1659,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             running_loras.update(r.req.lora_id for r in self.transfer_queue.queue)
             running_loras.update(req.lora_id for req in self.scheduler.waiting_queue)
 
-        shares = self._prefill_shares()
-        skipped: Set = set()  # prefills held at their share this cycle
-        now = time.monotonic()
+        shares, skipped, now = None, set(), time.monotonic()  # skipped: held back
 
         # Then, preallocate the remaining requests if possible
         for i, decode_req in enumerate(self.queue):
@@ -1674,6 +1672,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if not decode_req.waiting_for_input:
                 continue
 
+            if shares is None:  # once a cycle, and only if one may be admitted
+                shares = self._prefill_shares()
             if shares.stalled and self._held_at_share(decode_req, shares, skipped, now):
                 continue
 
