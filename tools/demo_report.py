@@ -573,6 +573,17 @@ def plot(results: List[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def with_gaps(points, gap_s: float = 3.0) -> list:
+    """``points`` with a NaN where a series was absent for more than ``gap_s``
+    (scraped every second): a peer gone and back is not drawn as a line."""
+    out = []
+    for t, v in sorted(points):
+        if out and t - out[-1][0] > gap_s:
+            out.append((t, float("nan")))
+        out.append((t, v))
+    return out
+
+
 def plot_peers(ax, r: dict, colors: dict, window) -> None:
     """The sick peer's series scraped from /metrics during the run (patch 11):
     what each prefill holds of the decode's KV, or with a sick decode, the
@@ -591,6 +602,7 @@ def plot_peers(ax, r: dict, colors: dict, window) -> None:
             peer = r.get("peer_names", {}).get(x["labels"][peer_label])
             lines.setdefault(peer, []).append((x["t"], x["value"]))
     for peer, points in sorted(lines.items(), key=lambda kv: str(kv[0])):
+        points = with_gaps(points)
         ax.plot(
             *zip(*points),
             ".-",

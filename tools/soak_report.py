@@ -21,6 +21,7 @@ from demo_report import (  # noqa: E402
     label,
     load,
     quantile,
+    with_gaps,
 )
 from soak_pd import DOWN_KINDS, FAILED_METRICS, GAUGES, PREFILLS  # noqa: E402
 
@@ -658,7 +659,7 @@ def plot_held(ax, r: dict, colors: dict) -> None:
             peer = (r.get("peer_names") or {}).get(x["labels"].get("prefill"))
             lines.setdefault(peer, []).append((x["t"], x["value"]))
     for peer, points in sorted(lines.items(), key=lambda kv: str(kv[0])):
-        ax.plot(*zip(*points), ".-", ms=2, lw=1, color=colors.get(peer, "tab:gray"),
+        ax.plot(*zip(*with_gaps(points)), ".-", ms=2, lw=1, color=colors.get(peer, "tab:gray"),
                 label=peer or "other")  # fmt: skip
     if lines:
         ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
