@@ -476,7 +476,7 @@ class _PeerMetrics:
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         try:
             labels = _scheduler_metric_labels(engine_type) if directory else None
-        except ValueError:  # runtime context not published: not a scheduler
+        except (ValueError, RuntimeError):  # context not published: no scheduler
             labels = None
         return cls(rows, directory, labels) if labels is not None else None
 
