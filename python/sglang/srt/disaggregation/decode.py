@@ -2333,7 +2333,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         kv, transfer_queue = self.kv_manager, self.transfer_queue
         names = ("held_tokens", "held_reqs", "fenced_tokens", "waiting_reqs", "state")
         rows = defaultdict(lambda: dict.fromkeys(names, 0))
-        for prefill, (tokens, reqs, *_) in self._prefill_shares().held.items():
+        shares = self._prefill_shares()
+        for prefill, (tokens, reqs, *_) in shares.held.items():
             rows[prefill[0]]["held_tokens"] += tokens
             rows[prefill[0]]["held_reqs"] += reqs
         for decode_req, _, deadline, *_ in transfer_queue._deferred_releases:
@@ -2344,7 +2345,11 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if not _is_fake_transfer(decode_req.req):
                 row = rows[_bootstrap_addr(decode_req.req)]
                 row["waiting_reqs"] += 1
-                if decode_req.held_since is not None:  # admission held it back
+                # Admission held it back, and still would (one waiting for
+                # memory keeps held_since once its prefill serves again).
+                if decode_req.held_since is not None and (
+                    DecodeTransferQueue._prefill_of(decode_req) in shares.stalled
+                ):
                     row["state"] = 2
         served_at, failures, gone = metrics.served_at, metrics.failures, metrics.gone
         known = {*served_at, *(a for a, _ in failures)}

@@ -350,6 +350,35 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
         self.assertEqual(left - {HEALTHY, STUCK}, set())
         self.assertLessEqual(most, 10 * 62 // 2)  # a minute's worth, no more
 
+class TestHeldStateOfARecoveredPrefill(SimTestCase, MetricsTestCase):
+    def test_a_prefill_that_recovered_is_not_shown_held(self):
+        # Its requests held at its share keep held_since while they wait for
+        # memory (long decodes fill the pool) once it serves again.
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+            tokens=8192,
+            slots=64,
+            waiting_timeout=300.0,
+            decode_s=1e4,
+        )
+        kv = rank.kv_manager
+        kv.peer_metrics = self.metrics()
+        kv._route_setups = {}
+        kv.parallel_info_fetch_in_flight = lambda addr: False
+        rank.prealloc._prefill_dp_rank_queries = {}
+        self.run_for(20, lambda t: abs(t - round(t)) < 1e-9 and self.add(STUCK))
+        self.run_for(20, lambda t: abs(t - round(t)) < 1e-9 and self.add(HEALTHY))
+        self.assertTrue([r for r in rank.prealloc.queue if r.held_since])
+        self.world.prefills[STUCK].transfer_s = 0.5  # it recovers
+        self.run_for(5)
+        self.assertEqual(rank.prealloc._prefill_shares().stalled, set())
+        self.assertTrue([r for r in rank.prealloc.queue if r.held_since])
+        rank.prealloc._peer_metrics_due = 0.0
+        self.run_for(0.25)
+        kv.peer_metrics.write()
+        self.assertEqual(series(scrape(self.dir), "sglang:pd_prefill_state")[STUCK], 0)
+
+
 class _Chunk(SimpleNamespace):
     pass
 
@@ -402,6 +431,20 @@ class TestPrefillSeries(MetricsTestCase):
             metrics.write()
             failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
             self.assertEqual(failed, {})
+
+    def test_a_decode_failed_both_ways_goes_once_and_writes_go_on(self):
+        clock = SimpleNamespace(now=100.0)
+        scheduler = _TransferScheduler()
+        metrics = self.metrics(lambda: scheduler.metric_rows(LABELS))
+        sick = ("10.0.0.9:1",)
+        with mock.patch.object(conn_mod.time, "monotonic", lambda: clock.now):
+            scheduler.note_failed(sick, "session")
+            scheduler.note_failed(sick, "transfer")
+            clock.now += 60
+            metrics.write()
+            failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
+            self.assertEqual(failed, {})
+            self.assertEqual(scheduler._failed_at, {})
 
     def test_a_failed_room_is_counted_for_its_decode_only_with_metrics(self):
         mgr = _mooncake_prefill(workers=1)

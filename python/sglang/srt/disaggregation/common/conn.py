@@ -257,12 +257,13 @@ class _TransferScheduler:
     def metric_rows(self, labels: Dict[str, str]) -> list:
         now, rows = time.monotonic(), []
         with self._lock:
-            for key in list(self._failed):
+            for destination, at in list(self._failed_at.items()):
                 # A decode with nothing queued a minute after its last failure:
-                # its series go.
-                if key[0] not in self._chunks and now - self._failed_at[key[0]] >= 60:
-                    del self._failed[key]
-                    self._failed_at.pop(key[0], None)
+                # its series go, of every kind.
+                if destination not in self._chunks and now - at >= 60:
+                    del self._failed_at[destination]
+            for key in [k for k in self._failed if k[0] not in self._failed_at]:
+                del self._failed[key]
             for (destination, kind), n in self._failed.items():
                 peer = {**labels, "decode": ",".join(destination), "kind": kind}
                 rows.append(("sglang:pd_decode_rooms_failed", peer, n))
