@@ -413,8 +413,8 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
         return  # the client cancelled it
     if "Lost connection with prefill" in reason:
         stage = "heartbeat"
-    elif "TIMEOUT" in reason.upper():
-        stage = "timeout"
+    elif "TIMEOUT" in reason.upper() or "timed out" in reason:
+        stage = "timeout"  # 0.5.23's own: "timed out after ... in KVPoll..."
     metrics.failures[_bootstrap_addr(decode_req.req), stage] += 1
 
 
@@ -464,7 +464,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     Store the requests that are preallocating.
     """
 
-    _peer_metrics_due: float = 0.0  # when _publish_peer_metrics next builds
+    _peer_metrics_due: float = 0.0  # when publish_peer_metrics next builds
 
     def __init__(
         self,
@@ -1558,6 +1558,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             raise ValueError("PP consensus is required when pp_size > 1")
         if is_pp_mode and rids_to_check is not None:
             raise ValueError("rids_to_check cannot be used in PP mode")
+        DecodePreallocQueue.publish_peer_metrics(self)
 
         self._resolve_pending_reqs()
         self._update_handshake_waiters(rids_to_check, pp_good_rids, pp_bad_rids)
@@ -2324,13 +2325,28 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
     def publish_peer_metrics(self) -> None:
         """Per-prefill series for /metrics, built at most once a second for the
-        kv manager's metrics thread to write: no lock or I/O here."""
-        metrics = getattr(self.kv_manager, "peer_metrics", None)
+        kv manager's metrics thread to write: no lock or I/O here. Called by
+        process_decode_queue and pop_preallocated (PP's loop calls only the
+        latter); an error in it is logged, never raised to the scheduler."""
+        metrics = getattr(getattr(self, "kv_manager", None), "peer_metrics", None)
         now = time.monotonic()
         if not isinstance(metrics, _PeerMetrics) or now < self._peer_metrics_due:
             return
         self._peer_metrics_due = now + 1.0
+        try:
+            metrics.rows = self._peer_metric_rows(metrics, now)
+        except Exception:
+            logger.exception("Could not build the PD per-prefill metrics")
+
+    def _peer_metric_rows(self, metrics: _PeerMetrics, now: float) -> list:
         kv, transfer_queue = self.kv_manager, self.transfer_queue
+
+        def addr_of(decode_req):  # the receiver's, parsed once
+            receiver = decode_req.kv_receiver
+            return getattr(receiver, "bootstrap_addr", None) or _bootstrap_addr(
+                decode_req.req
+            )
+
         names = ("held_tokens", "held_reqs", "fenced_tokens", "waiting_reqs", "state")
         rows = defaultdict(lambda: dict.fromkeys(names, 0))
         shares = self._prefill_shares()
@@ -2340,10 +2356,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         for decode_req, _, deadline, *_ in transfer_queue._deferred_releases:
             if now >= deadline:  # held past the release timeout: it may write
                 tokens = self._share_tokens(decode_req.req)
-                rows[_bootstrap_addr(decode_req.req)]["fenced_tokens"] += tokens
+                rows[addr_of(decode_req)]["fenced_tokens"] += tokens
         for decode_req in self.queue:  # pending_reqs are in it too
             if not _is_fake_transfer(decode_req.req):
-                row = rows[_bootstrap_addr(decode_req.req)]
+                row = rows[addr_of(decode_req)]
                 row["waiting_reqs"] += 1
                 # Admission held it back, and still would (one waiting for
                 # memory keeps held_since once its prefill serves again).
@@ -2379,10 +2395,13 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 + (addr in self._prefill_dp_rank_queries)
             )
             out += [(f"sglang:pd_prefill_{n}", labels, v) for n, v in row.items()]
-        for (addr, kind), n in failures.items():
-            labels = {**metrics.labels, "prefill": addr, "kind": kind}
-            out.append(("sglang:pd_prefill_failures", labels, n))
-        metrics.rows = out
+            # Every kind from the peer's first write: rate() and increase()
+            # miss a counter's first sample.
+            for kind in ("bootstrap", "transfer", "heartbeat", "timeout"):
+                labels = {**metrics.labels, "prefill": addr, "kind": kind}
+                n = failures.get((addr, kind), 0)  # not a defaultdict insert
+                out.append(("sglang:pd_prefill_failures", labels, n))
+        return out
 
     def _note_admitted(self, decode_req: DecodeRequest, shares: _PrefillShares):
         if _is_fake_transfer(decode_req.req):

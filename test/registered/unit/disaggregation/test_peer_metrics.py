@@ -236,7 +236,16 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
         # Past the waiting timeout the held-back requests end, naming it.
         failures = series(samples, "sglang:pd_prefill_failures_total", kind="timeout")
         self.assertGreater(failures.get(STUCK, 0), 0)
-        self.assertNotIn(HEALTHY, failures)
+        self.assertEqual(failures[HEALTHY], 0)
+        # Every kind is written from a prefill's first write, at 0 until one
+        # fails: rate() and increase() miss a counter's first sample.
+        kinds = {
+            dict(labels)["kind"]
+            for name, labels in samples
+            if name == "sglang:pd_prefill_failures_total"
+            and dict(labels)["prefill"] == HEALTHY
+        }
+        self.assertEqual(kinds, {"bootstrap", "transfer", "heartbeat", "timeout"})
 
     def test_a_failed_prefill_shows_how_it_ended_then_its_series_go(self):
         self.run_for(20, self.one_each_second)
@@ -284,7 +293,8 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
             self.rank.client_abort(room)
         self.run_for(2)
         samples = self.scrape()
-        self.assertEqual(series(samples, "sglang:pd_prefill_failures_total"), {})
+        failed = series(samples, "sglang:pd_prefill_failures_total")
+        self.assertEqual({peer: n for peer, n in failed.items() if n}, {})
         fenced = series(samples, "sglang:pd_prefill_fenced_tokens")
         self.assertEqual(fenced[HEALTHY], 0)
         self.assertEqual(series(samples, "sglang:pd_prefill_state")[HEALTHY], 0)
@@ -300,6 +310,33 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
         fenced = series(self.scrape(), "sglang:pd_prefill_fenced_tokens")
         self.assertEqual(fenced[HEALTHY], 0)
         self.assertGreater(fenced[STUCK], 0)
+
+    def test_pop_preallocated_alone_builds_the_rows(self):
+        # PP's decode loop calls pop_preallocated, not process_decode_queue.
+        self.run_for(5, self.one_each_second)
+        self.rank.kv_manager.peer_metrics.rows = []
+        self.rank.prealloc._peer_metrics_due = 0.0
+        run_ranks(
+            self.ranks, self.collectives, lambda rank: rank.prealloc.pop_preallocated()
+        )
+        held = series(self.scrape(), "sglang:pd_prefill_held_tokens")
+        self.assertEqual(held[STUCK], self.share_tokens_held_by(STUCK))
+
+    def test_0523s_own_timeouts_count_as_timeouts(self):
+        from sglang.srt.disaggregation.decode import _note_failed
+
+        for reason in (
+            "KVTransferError(bootstrap_room=1): Request 1 timed out after 30.0s "
+            "in KVPoll.WaitingForInput",
+            "KVTransferError(bootstrap_room=2): Request 2 timed out after 30.0s "
+            "in KVPoll.Bootstrapping",
+        ):
+            self.add(STUCK)
+            self.run_for(0.1)
+            stuck = [*self.rank.prealloc.queue, *self.rank.transfer.queue]
+            _note_failed(stuck[-1], "transfer", reason)
+        failures = self.rank.kv_manager.peer_metrics.failures
+        self.assertEqual({k for k, n in failures.items() if n}, {(STUCK, "timeout")})
 
     def test_a_prefill_never_reached_is_not_shown_answering(self):
         addr = "10.3.0.1:8998"

@@ -514,7 +514,7 @@ class _PeerMetrics:
             os.replace(tmp, self._paths[typ])
 
     def close(self) -> None:
-        """Stops the thread, which then removes the files."""
+        """Stops the thread, which then writes the files empty."""
         self._stop.set()
 
 
