@@ -312,6 +312,10 @@ class DecodeSide:
                 continue
             if patched and shares is None:  # once, if one may be admitted
                 shares = queue._prefill_shares()
+                if hasattr(queue, "_stalls"):  # as pop_preallocated
+                    queue._stalls = {
+                        p: queue._stalls.get(p, now) for p in shares.stalled
+                    }
             if patched and queue._held_at_share(decode_req, shares, skipped, now):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)

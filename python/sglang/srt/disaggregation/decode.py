@@ -1675,6 +1675,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
             if shares is None:  # once a cycle, and only if one may be admitted
                 shares = self._prefill_shares()
+                self._stalls = {p: self._stalls.get(p, now) for p in shares.stalled}
             if shares.stalled and self._held_at_share(decode_req, shares, skipped, now):
                 continue
 
@@ -2295,9 +2296,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         slots += sum(h[1] for h in held.values())
         return _PrefillShares(held, served, self.max_total_num_tokens, slots)
 
+    _stalls: Dict = {}  # prefill -> since when it is stalled (this rank's clock)
+
     def _held_at_share(self, decode_req, shares, skipped: Set, now: float) -> bool:
-        """Its prefill is stalled at its share, or skipped an earlier request
-        (FIFO). Held for the waiting timeout, it ends naming its prefill."""
+        """Held back (its prefill stalled at its share): ends after the timeout."""
         if _is_fake_transfer(decode_req.req):
             return False  # the decode's own /health: it has no prefill
         prefill = DecodeTransferQueue._prefill_of(decode_req)
@@ -2307,9 +2309,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             decode_req.held_since = None
             return False
         skipped.add(prefill)
-        if decode_req.held_since is None:
-            decode_req.held_since = now
-        elif now - decode_req.held_since >= self.kv_manager.waiting_timeout:
+        stalled = self._stalls.get(prefill, now)  # not a wait for memory before
+        decode_req.held_since = max(decode_req.held_since or now, stalled)
+        if now - decode_req.held_since >= self.kv_manager.waiting_timeout:
             # Ends on every rank at the next poll, which all ranks reduce.
             decode_req.kv_receiver.abort()
             self.kv_manager.record_failure(

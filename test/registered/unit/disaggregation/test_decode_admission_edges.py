@@ -387,6 +387,36 @@ class TestSlowButHealthy(SimTestCase):
         self.assertEqual(len([r for r in slow if r in rank.served]), len(slow) - 1)
 
 
+    def test_a_wait_for_memory_is_not_a_wait_for_its_prefill(self):
+        # Held at its share, then the prefill recovers while the pool is full
+        # (long decodes): its requests wait for memory, not for it. When memory
+        # comes back and the prefill, serving again, reaches its share, their
+        # wait for it starts then: none ends at once (the review's finding 3).
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+            tokens=8192,
+            slots=64,
+            waiting_timeout=30.0,
+            decode_s=1e6,
+        )
+
+        def four_a_second(t):
+            if abs(t * 4 - round(t * 4)) < 1e-9:
+                self.add(STUCK)
+            if abs(t - round(t)) < 1e-9:
+                self.add(HEALTHY)
+
+        self.run_for(8, four_a_second)
+        self.assertTrue([r for r in rank.prealloc.queue if r.held_since])
+        self.world.prefills[STUCK].transfer_s = 0.5  # it recovers
+        self.run_for(40)
+        waited = [r.req.bootstrap_room for r in rank.prealloc.queue]
+        self.assertTrue(waited)
+        rank.running = [(self.world.now, req) for _, req in rank.running]
+        self.run_for(1.0)  # memory comes back
+        self.assertEqual([room for room in waited if room in rank.ended], [])
+
+
 class TestFencedWhileItMayWrite(SimTestCase):
     """Requirement C: no page is reused while the prefill of a request that
     ended may still write into it: on the waiting timeout, a client abort,

@@ -1575,9 +1575,8 @@ class CommonKVManager(BaseKVManager):
             return False
         # With deferred release off too: decode.py fences pages until it.
         if len(msg) == 2 and msg[1].isdigit():
-            # A prefill with deferred release off acks on reading the ABORT,
-            # with no rank: no chunk of the room starts after it, but one may
-            # still be in flight, so it ends a fence at the release deadline.
+            # A prefill with deferred release off acks on reading the ABORT (no
+            # rank): a chunk may still be in flight, so it ends a fence at the deadline.
             state = self._deferred_abort_ack_tracker.get(int(msg[1]))
             if state is not None:
                 state.read += 1
