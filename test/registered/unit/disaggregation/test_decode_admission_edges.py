@@ -54,13 +54,15 @@ class SimTestCase(CustomTestCase):
         self.addCleanup(stack.close)
         return self.ranks[0]
 
-    def healthy_and_stuck(self):
-        """One healthy prefill and one stuck for good, in the class's pool."""
+    TOKENS, SLOTS, TIMEOUT = 8192, 64, 30.0  # healthy_and_stuck()'s pool
+
+    def healthy_and_stuck(self, **kwargs):
+        """One healthy prefill and one stuck for good, in the class's pool
+        unless ``kwargs`` (sim()'s) say otherwise."""
+        pool = dict(tokens=self.TOKENS, slots=self.SLOTS, waiting_timeout=self.TIMEOUT)
         return self.sim(
             [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            tokens=self.TOKENS,
-            slots=self.SLOTS,
-            waiting_timeout=self.TIMEOUT,
+            **{**pool, **kwargs},
         )
 
     def add(self, addr, prompt=400, priority=0):
@@ -199,12 +201,7 @@ class TestDecodeOwnHealthProbe(SimTestCase):
         from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
         from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
-        rank = self.sim(
-            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            tokens=8192,
-            slots=64,
-            waiting_timeout=30.0,
-        )
+        rank = self.healthy_and_stuck()
         self.add(STUCK)
         self.run_for(DT)  # it holds a request and has served none: stalled
         self.add(HEALTHY, prompt=4)
@@ -315,13 +312,7 @@ class TestRanksAgree(SimTestCase):
                 self.run_scenario(random.Random(seed))
 
     def run_scenario(self, rnd):
-        self.sim(
-            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            ranks=2,
-            tokens=8192,
-            slots=64,
-            waiting_timeout=300.0,
-        )
+        self.healthy_and_stuck(ranks=2, waiting_timeout=300.0)
         rank0, rank1 = self.ranks
         stuck = self.world.prefills[STUCK]
 
@@ -386,19 +377,12 @@ class TestSlowButHealthy(SimTestCase):
         self.assertEqual([r for r in slow if r in rank.ended], [])
         self.assertEqual(len([r for r in slow if r in rank.served]), len(slow) - 1)
 
-
     def test_a_wait_for_memory_is_not_a_wait_for_its_prefill(self):
         # Held at its share, then the prefill recovers while the pool is full
         # (long decodes): its requests wait for memory, not for it. When memory
         # comes back and the prefill, serving again, reaches its share, their
         # wait for it starts then: none ends at once (the review's finding 3).
-        rank = self.sim(
-            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            tokens=8192,
-            slots=64,
-            waiting_timeout=30.0,
-            decode_s=1e6,
-        )
+        rank = self.healthy_and_stuck(decode_s=1e6)
 
         def four_a_second(t):
             if abs(t * 4 - round(t * 4)) < 1e-9:
@@ -524,12 +508,7 @@ class TestShortPromptsOfAFrozenScheduler(SimTestCase):
         # The demo's scheduler freeze: 4096-token pool, 512 tokens reserved per
         # request for decoding, prompts of ~24 tokens, 2 req/s over both. The
         # stuck prefill's requests cost the admission their reservation too.
-        rank = self.sim(
-            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            tokens=4096,
-            slots=256,
-            waiting_timeout=30.0,
-        )
+        rank = self.healthy_and_stuck(tokens=4096, slots=256)
         rank.prealloc.num_reserved_decode_tokens = 512
         healthy = {}
 
@@ -553,12 +532,7 @@ class TestStuckWhileOthersAreBusy(SimTestCase):
 
     def test_stuck_holds_its_share_after_thousands_of_healthy_admissions(self):
         tokens = 8192
-        rank = self.sim(
-            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            tokens=tokens,
-            slots=64,
-            waiting_timeout=300.0,
-        )
+        rank = self.healthy_and_stuck(tokens=tokens, waiting_timeout=300.0)
         most = 0
 
         def every(t):

@@ -77,9 +77,7 @@ def sglang_context(enable_metrics=True, all_schedulers=False, **ranks):
         ("get_observability", observability),
         ("get_serving", SimpleNamespace(served_model_name="m")),
     ):
-        stack.enter_context(
-            mock.patch.object(runtime_context, name, lambda v=value: v)
-        )
+        stack.enter_context(mock.patch.object(runtime_context, name, lambda v=value: v))
     return stack
 
 
@@ -387,17 +385,12 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
         self.assertEqual(left - {HEALTHY, STUCK}, set())
         self.assertLessEqual(most, 10 * 62 // 2)  # a minute's worth, no more
 
+
 class TestHeldStateOfARecoveredPrefill(SimTestCase, MetricsTestCase):
     def test_a_prefill_that_recovered_is_not_shown_held(self):
         # Its requests held at its share keep held_since while they wait for
         # memory (long decodes fill the pool) once it serves again.
-        rank = self.sim(
-            [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
-            tokens=8192,
-            slots=64,
-            waiting_timeout=300.0,
-            decode_s=1e4,
-        )
+        rank = self.healthy_and_stuck(waiting_timeout=300.0, decode_s=1e4)
         kv = rank.kv_manager
         kv.peer_metrics = self.metrics()
         kv._route_setups = {}
