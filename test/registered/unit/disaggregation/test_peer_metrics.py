@@ -1,14 +1,16 @@
 """Per-peer series for sglang's /metrics: what each prefill holds of a decode
-and how it is doing, what each decode has waiting on a prefill, written into
-sglang's multiprocess Prometheus directory and gone with the peer.
+and how it is doing, written into sglang's multiprocess Prometheus directory
+and gone with the peer.
 
 Read back as sglang's /metrics reads them (prometheus_client's
 MultiProcessCollector over the directory). The decode side runs the real
-queues over simulated time (decode_sim.py); the prefill side runs the real
-_TransferScheduler with a fake clock. CPU-only, no sleeps.
+queues over simulated time (decode_sim.py). CPU-only, no sleeps.
 """
 
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import unittest
 from contextlib import ExitStack
@@ -19,16 +21,13 @@ from decode_sim import Prefill, run_ranks
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from test_decode_admission_edges import HEALTHY, STUCK, SimTestCase
-from test_prefill_transfer_scheduler import SICK, _mooncake_prefill, _room, _wait_status
 
 from sglang.srt import runtime_context
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.common import conn as conn_mod
 from sglang.srt.disaggregation.common.conn import (
     PD_PEER_METRICS,
     _PeerMetrics,
-    _TransferScheduler,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -62,7 +61,7 @@ def series(samples, name, **labels):
 LABELS = {"tp_rank": "0"}
 
 
-def sglang_context(enable_metrics=True, all_schedulers=False, **ranks):
+def sglang_context(enable_metrics=True, all_schedulers=False, switch=False, **ranks):
     """runtime_context's getters as a scheduler process has them published."""
     parallel = dict(attn_tp_rank=0, attn_cp_rank=0, tp_rank=0, pp_rank=0)
     parallel = {**parallel, "moe_ep_rank": 0, "dp_rank": None, **ranks}
@@ -76,6 +75,7 @@ def sglang_context(enable_metrics=True, all_schedulers=False, **ranks):
         ("get_parallel", SimpleNamespace(**parallel)),
         ("get_observability", observability),
         ("get_serving", SimpleNamespace(served_model_name="m")),
+        ("get_disagg", SimpleNamespace(enable_pd_role_switch=switch)),
     ):
         stack.enter_context(mock.patch.object(runtime_context, name, lambda v=value: v))
     return stack
@@ -124,7 +124,7 @@ class TestPeerMetricsFiles(MetricsTestCase):
 
     def test_closing_removes_its_series(self):
         metrics = self.metrics(
-            lambda: [("sglang:pd_transfer_workers_busy", {"rank": "0"}, 1)]
+            lambda: [("sglang:pd_prefill_state", {"prefill": "a:1"}, 1)]
         )
         metrics.write()
         # A scrape that listed the files just before the close reads them after.
@@ -183,6 +183,52 @@ class TestPeerMetricsFiles(MetricsTestCase):
             | {"cluster", "prefill"},
         )
         self.assertEqual({s["engine_type"] for s in states}, {"decode"})
+
+    def test_series_of_a_process_that_died_without_teardown_go_at_next_start(self):
+        # A user-set PROMETHEUS_MULTIPROC_DIR outlives the server: a failed
+        # prefill's series of a scheduler that was killed would stay forever.
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        with tempfile.TemporaryDirectory() as directory, mock.patch.dict(
+            os.environ, {"PROMETHEUS_MULTIPROC_DIR": directory}
+        ):
+            for alive in (False, True):
+                metrics = _PeerMetrics(None, directory, LABELS, interval=3600)
+                self.addCleanup(metrics._thread.join, 30)
+                self.addCleanup(metrics.close)
+                prefill = {"prefill": f"alive-{alive}:1"}
+                metrics.write(rows=[("sglang:pd_prefill_state", prefill, 3)])
+                for path in [] if alive else metrics._paths.values():
+                    pid = f"_{os.getpid()}pd"
+                    os.rename(path, path.replace(pid, f"_{dead.pid}pd"))
+            sglangs = os.path.join(directory, f"counter_{dead.pid}.db")
+            shutil.copy(metrics._paths["counter"], sglangs)
+            states = series(scrape(directory), "sglang:pd_prefill_state")
+            self.assertEqual(states, {"alive-False:1": 3, "alive-True:1": 3})
+            with sglang_context():
+                metrics = _PeerMetrics.start("decode", None)
+            metrics.close()
+            metrics._thread.join(30)
+            states = series(scrape(directory), "sglang:pd_prefill_state")
+            self.assertEqual(states, {"alive-True:1": 3})
+            self.assertTrue(os.path.exists(sglangs))  # prometheus_client's own
+
+    def test_every_name_written_is_registered(self):
+        for name, (typ, help_text) in PD_PEER_METRICS.items():
+            self.assertTrue(name.startswith("sglang:pd_"), name)
+            self.assertIn(typ, ("gauge", "counter"))
+            self.assertFalse(name.endswith("_total"), name)
+            self.assertTrue(help_text)
+
+    def test_engine_type_is_sglangs_under_role_switch(self):
+        with tempfile.TemporaryDirectory() as directory, mock.patch.dict(
+            os.environ, {"PROMETHEUS_MULTIPROC_DIR": directory}
+        ):
+            with sglang_context(switch=True):
+                metrics = _PeerMetrics.start("prefill", lambda: [])
+            metrics.close()
+            metrics._thread.join(30)
+        self.assertEqual(metrics.labels["engine_type"], "dynamic")
 
 
 class TestDecodeSeries(SimTestCase, MetricsTestCase):
@@ -407,113 +453,6 @@ class TestHeldStateOfARecoveredPrefill(SimTestCase, MetricsTestCase):
         self.run_for(0.25)
         kv.peer_metrics.write()
         self.assertEqual(series(scrape(self.dir), "sglang:pd_prefill_state")[STUCK], 0)
-
-
-class _Chunk(SimpleNamespace):
-    pass
-
-
-class TestPrefillSeries(MetricsTestCase):
-    def test_queued_in_flight_oldest_and_failed_per_decode(self):
-        clock = SimpleNamespace(now=100.0)
-        scheduler = _TransferScheduler()
-        metrics = self.metrics(lambda: scheduler.metric_rows({"rank": "0"}))
-        sick, healthy = ("10.0.0.9:1",), ("10.0.0.8:1",)
-        with mock.patch.object(conn_mod.time, "monotonic", lambda: clock.now):
-            scheduler.put(sick, _Chunk(room=1))
-            scheduler.put(sick, _Chunk(room=2))
-            worker = scheduler.worker_queue()
-            self.assertEqual(worker.get().room, 1)  # stuck sending it
-            clock.now += 40
-            scheduler.put(healthy, _Chunk(room=3))
-            clock.now += 1
-            metrics.write()
-            samples = scrape(self.dir)
-            queued = series(samples, "sglang:pd_decode_rooms_queued")
-            self.assertEqual(queued, {"10.0.0.9:1": 1, "10.0.0.8:1": 1})
-            in_flight = series(samples, "sglang:pd_decode_rooms_in_flight")
-            self.assertEqual(in_flight, {"10.0.0.9:1": 1, "10.0.0.8:1": 0})
-            age = series(samples, "sglang:pd_decode_oldest_chunk_age_seconds")
-            self.assertEqual(age, {"10.0.0.9:1": 41.0, "10.0.0.8:1": 1.0})
-            busy = series(samples, "sglang:pd_transfer_workers_busy")
-            self.assertEqual(busy, {None: 1})
-
-            scheduler.note_failed(sick, "session")
-            scheduler.note_failed(sick, "session")
-            self.assertEqual(worker.get().room, 3)  # the turn that waited longest
-            self.assertEqual(worker.get().room, 2)
-            metrics.write()
-            samples = scrape(self.dir)
-            failed = series(samples, "sglang:pd_decode_rooms_failed_total")
-            self.assertEqual(failed, {"10.0.0.9:1": 2})
-            queued = series(samples, "sglang:pd_decode_rooms_queued")
-            self.assertEqual(queued, {"10.0.0.9:1": 0})  # the healthy one drained
-            # The worker leaves the failed decode. Its failures stay a minute
-            # after the last with nothing queued for it (forgotten or not: NIXL
-            # and Mori never forget), then go.
-            with scheduler._lock:
-                worker._leave()
-            clock.now += 59
-            metrics.write()
-            failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
-            self.assertEqual(failed, {"10.0.0.9:1": 2})
-            clock.now += 1
-            metrics.write()
-            failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
-            self.assertEqual(failed, {})
-
-    def test_a_decode_failed_both_ways_goes_once_and_writes_go_on(self):
-        clock = SimpleNamespace(now=100.0)
-        scheduler = _TransferScheduler()
-        metrics = self.metrics(lambda: scheduler.metric_rows(LABELS))
-        sick = ("10.0.0.9:1",)
-        with mock.patch.object(conn_mod.time, "monotonic", lambda: clock.now):
-            scheduler.note_failed(sick, "session")
-            scheduler.note_failed(sick, "transfer")
-            clock.now += 60
-            metrics.write()
-            failed = series(scrape(self.dir), "sglang:pd_decode_rooms_failed_total")
-            self.assertEqual(failed, {})
-            self.assertEqual(scheduler._failed_at, {})
-
-    def test_a_failed_room_is_counted_for_its_decode_only_with_metrics(self):
-        mgr = _mooncake_prefill(workers=1)
-        self.addCleanup(mgr._transfer_scheduler.shutdown)
-        self.addCleanup(lambda: [g.set() for g in list(mgr.gates.values())])
-        mgr.rcs[SICK] = -1
-        mgr.gates[SICK].set()
-        _room(mgr, 1, SICK)
-        self.assertEqual(_wait_status(mgr, 1), KVPoll.Failed)
-        # Off: nothing kept (it is pruned only when written).
-        self.assertEqual(dict(mgr._transfer_scheduler._failed), {})
-        mgr.peer_metrics = self.metrics()
-        _room(mgr, 2, SICK)
-        self.assertEqual(_wait_status(mgr, 2), KVPoll.Failed)
-        self.assertEqual(
-            dict(mgr._transfer_scheduler._failed), {((SICK,), "session"): 1}
-        )
-
-    def test_a_room_its_decode_aborted_is_not_a_failure(self):
-        # The decode's ABORT (a client cancelled, or it gave up on the room)
-        # marks the room Failed while its chunk is sent; the worker then
-        # concludes it Failed. No failure of that decode.
-        mgr = _mooncake_prefill(workers=1)
-        self.addCleanup(mgr._transfer_scheduler.shutdown)
-        self.addCleanup(lambda: [g.set() for g in list(mgr.gates.values())])
-        mgr.peer_metrics = self.metrics()
-        _room(mgr, 1, SICK)
-        self.assertTrue(mgr.entered[SICK].wait(30))
-        mgr.update_status(1, KVPoll.Failed)  # as the ABORT handlers do
-        mgr.gates[SICK].set()
-        self.assertEqual(_wait_status(mgr, 1), KVPoll.Failed)
-        self.assertEqual(dict(mgr._transfer_scheduler._failed), {})
-
-    def test_every_name_written_is_registered(self):
-        for name, (typ, help_text) in PD_PEER_METRICS.items():
-            self.assertTrue(name.startswith("sglang:pd_"), name)
-            self.assertIn(typ, ("gauge", "counter"))
-            self.assertFalse(name.endswith("_total"), name)
-            self.assertTrue(help_text)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import glob
 import logging
 import os
 import threading
@@ -235,8 +236,10 @@ class _TransferScheduler:
         self._contacted: Dict[tuple, None] = {}  # oldest first
         self._stopped = False
         # For /metrics: when the chunk each busy destination's worker sends was
-        # queued, and rooms failed by (destination, kind).
+        # queued, its queued chunks by room, and rooms failed by (destination,
+        # kind).
         self._sending: Dict[tuple, float] = {}
+        self._rooms: Dict[tuple, Dict[int, int]] = {}
         self._failed: Dict[Tuple[tuple, str], int] = defaultdict(int)
         self._failed_at: Dict[tuple, float] = {}
 
@@ -245,16 +248,19 @@ class _TransferScheduler:
             chunks = self._chunks.get(destination)
             if chunks is None:
                 chunks = self._chunks[destination] = deque()
+                self._rooms[destination] = defaultdict(int)
                 self._turns.append(destination)
                 self._ready.notify()
             chunks.append((time.monotonic(), chunk))
+            self._rooms[destination][getattr(chunk, "room", None)] += 1
 
     def note_failed(self, destination: tuple, kind: str) -> None:
         with self._lock:
             self._failed[destination, kind] += 1
             self._failed_at[destination] = time.monotonic()
 
-    def metric_rows(self, labels: Dict[str, str]) -> list:
+    def metric_rows(self, labels: Dict[str, str], name=",".join) -> list:
+        """Rows for _PeerMetrics; ``name(destination)`` is its ``decode`` label."""
         now, rows = time.monotonic(), []
         with self._lock:
             for destination, at in list(self._failed_at.items()):
@@ -264,16 +270,20 @@ class _TransferScheduler:
                     del self._failed_at[destination]
             for key in [k for k in self._failed if k[0] not in self._failed_at]:
                 del self._failed[key]
-            for (destination, kind), n in self._failed.items():
-                peer = {**labels, "decode": ",".join(destination), "kind": kind}
-                rows.append(("sglang:pd_decode_rooms_failed", peer, n))
+            # Written from 0 while it has chunks queued: a counter's first
+            # sample is not seen by rate() and increase().
+            for destination in self._failed_at.keys() | self._chunks.keys():
+                for kind in ("session", "transfer"):
+                    peer = {**labels, "decode": name(destination), "kind": kind}
+                    n = self._failed.get((destination, kind), 0)
+                    rows.append(("sglang:pd_decode_rooms_failed", peer, n))
             for destination, chunks in self._chunks.items():
-                peer = {**labels, "decode": ",".join(destination)}
+                peer = {**labels, "decode": name(destination)}
                 sending = self._sending.get(destination)
                 oldest = chunks[0][0] if sending is None else sending
-                rooms = {getattr(chunk, "room", None) for _, chunk in chunks}
+                queued = len(self._rooms[destination])
                 rows += [
-                    ("sglang:pd_decode_rooms_queued", peer, len(rooms)),
+                    ("sglang:pd_decode_rooms_queued", peer, queued),
                     ("sglang:pd_decode_rooms_in_flight", peer, sending is not None),
                     ("sglang:pd_decode_oldest_chunk_age_seconds", peer, now - oldest),
                 ]
@@ -323,6 +333,10 @@ class _WorkerQueue:
             destination = self._destination = scheduler._turns.popleft()
             queued_at, chunk = scheduler._chunks[destination].popleft()
             scheduler._sending[destination] = queued_at
+            rooms, room = scheduler._rooms[destination], getattr(chunk, "room", None)
+            rooms[room] -= 1
+            if not rooms[room]:
+                del rooms[room]
             first = destination not in scheduler._contacted
             if first:
                 scheduler._contacted[destination] = None
@@ -340,6 +354,7 @@ class _WorkerQueue:
             self._scheduler._ready.notify()
         elif done is not None:
             del self._scheduler._chunks[done]
+            del self._scheduler._rooms[done]
 
 
 def _run_transfer_worker(transfer_worker, queue, *args) -> None:
@@ -418,6 +433,7 @@ def _scheduler_metric_labels(engine_type: str) -> Optional[Dict[str, str]]:
     none (SchedulerMetricsCollector.init_new's rule): the series of DP replicas
     and PP stages never collide, and attention-TP ranks write them once."""
     from sglang.srt.runtime_context import (
+        get_disagg,
         get_observability,
         get_parallel,
         get_serving,
@@ -431,7 +447,8 @@ def _scheduler_metric_labels(engine_type: str) -> Optional[Dict[str, str]]:
         return None
     labels = {
         "model_name": get_serving().served_model_name,
-        "engine_type": engine_type,
+        # sglang's, which stays "dynamic" across role flips.
+        "engine_type": "dynamic" if get_disagg().enable_pd_role_switch else engine_type,
         "tp_rank": parallel.tp_rank,
         "pp_rank": parallel.pp_rank,
         "moe_ep_rank": parallel.moe_ep_rank,
@@ -479,7 +496,24 @@ class _PeerMetrics:
             labels = _scheduler_metric_labels(engine_type) if directory else None
         except (ValueError, RuntimeError):  # context not published: no scheduler
             labels = None
-        return cls(rows, directory, labels) if labels is not None else None
+        if labels is None:
+            return None
+        cls._remove_dead(directory)
+        return cls(rows, directory, labels)
+
+    @staticmethod
+    def _remove_dead(directory: str) -> None:
+        """Removes the files of processes that died without teardown, whose
+        series would stay while the directory does (a user-set one outlives
+        the server; sglang's mark_process_dead is never called)."""
+        for path in glob.glob(os.path.join(directory, "*_*pd*.db")):
+            try:
+                os.kill(int(path.rsplit("_", 1)[1].split("pd")[0]), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            except (OSError, ValueError):  # alive (another user's), or not ours
+                pass
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -1360,20 +1394,9 @@ class CommonKVManager(BaseKVManager):
                 failure_reason = self.failure_records.setdefault(
                     bootstrap_room, failure_reason or "KV transfer failed"
                 )
-            # Counted for /metrics only (pruned when written): once a room,
-            # and not a room its decode aborted (it marked it Failed).
-            scheduler = getattr(self, "_transfer_scheduler", None)
-            infos = self.transfer_infos.get(bootstrap_room)  # read once
-            if (
-                getattr(self, "peer_metrics", None)
-                and scheduler
-                and infos
-                and self.request_status.get(bootstrap_room) != KVPoll.Failed
-            ):
-                scheduler.note_failed(
-                    self._destination_of(infos),
-                    "session" if "is not alive" in failure_reason else "transfer",
-                )
+            if getattr(self, "peer_metrics", None):
+                infos = self.transfer_infos.get(bootstrap_room)
+                self._note_room_failed(bootstrap_room, failure_reason, infos)
 
         if targets is None:
             targets = self._room_notify_targets(bootstrap_room)
@@ -2427,9 +2450,20 @@ class CommonKVManager(BaseKVManager):
     def _destination_of(infos) -> tuple:
         return tuple(sorted(map(str, infos)))
 
-    def _peer_metric_rows(self) -> list:
+    def _note_room_failed(self, room: int, reason: str, infos) -> None:
+        """Counts it for /metrics (pruned when written): once a room, and not a
+        room its decode aborted (it marked it Failed)."""
         scheduler = self._transfer_scheduler
-        return scheduler.metric_rows(self.peer_metrics.labels) if scheduler else []
+        if scheduler and infos and self.request_status.get(room) != KVPoll.Failed:
+            kind = "session" if "is not alive" in reason else "transfer"
+            scheduler.note_failed(self._destination_of(infos), kind)
+
+    def _decode_name(self, destination: tuple) -> str:
+        return ",".join(destination)
+
+    def _peer_metric_rows(self) -> list:
+        scheduler, labels = self._transfer_scheduler, self.peer_metrics.labels
+        return scheduler.metric_rows(labels, self._decode_name) if scheduler else []
 
     def get_mha_kv_ptrs_with_pp(
         self, src_kv_ptrs: List[int], dst_kv_ptrs: List[int]

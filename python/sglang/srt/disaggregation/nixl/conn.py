@@ -2139,6 +2139,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                     # leave the room to the decode's waiting timeout rather
                     # than telling it those pages are free.
                     self.record_failure(room, str(e))
+                    if self.peer_metrics:
+                        self._note_room_failed(room, str(e), room_transfer_infos)
                     self.update_status(room, KVPoll.Failed)
                     # This chunk stays counted in _staging_outstanding, so no
                     # drain ACK can follow; discard the target and fall back to
@@ -2224,6 +2226,14 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             )
             self._prepare_payload_xfer(decode_kv_args)
             self._prepare_state_xfer(decode_kv_args)
+
+    def _decode_name(self, destination: tuple) -> str:
+        # Its agents' addresses: their names are uuids.
+        infos = [self.decode_kv_args_table.get(agent) for agent in destination]
+        return ",".join(
+            f"{info.endpoint}:{info.dst_port}" if info else agent
+            for agent, info in zip(destination, infos)
+        )
 
     def _reload_invalidated_peers(self, room_transfer_infos: Dict[str, Any]) -> None:
         # NIXL drops a peer's metadata after a remote-disconnect error and never
