@@ -421,24 +421,25 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
 class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
     metadata slots before its KV arrives, in transfer or fenced. One that has
-    served none of them since the first was admitted is stalled, and may hold
-    its share of the pool: the stalled together half of it. With none in
-    transfer it gets one request over while they hold less than half: a
-    request larger than any share starts, one that recovers is served again,
-    and however many hang for good they hold about half the pool. Built from
-    the queues and transfers served, so every attention-TP rank decides alike,
-    with no collective and no clock."""
+    served none of them since the first was admitted is stalled. While the
+    stalled together hold less than half the pool, they are not capped
+    (healthy prefills at saturation often all count as stalled between
+    serves); then each may hold its share: the stalled together half of it.
+    So a request larger than any share starts, one that recovers is served
+    again, and however many hang for good they hold about half the pool.
+    Built from the queues and transfers served, so every attention-TP rank
+    decides alike, with no collective and no clock."""
 
     def __init__(self, held: Dict, served: Dict, tokens, slots):
-        # prefill -> [tokens, slots, in transfer, served_before of the oldest]
+        # prefill -> [tokens, slots, served_before of the oldest]
         self.held = held
         self.served = served
-        self.stalled = {p for p, h in held.items() if served.get(p, 0) == h[3]}
+        self.stalled = {p for p, h in held.items() if served.get(p, 0) == h[2]}
         # The stalled share half the pool: the healthy keep the other half.
         parts = max(2, len(held), 2 * len(self.stalled))
         self.tokens, self.slots = tokens // parts, slots // parts
         self.half = (tokens // 2, slots // 2)
-        self.stalled_held = [sum(held[p][i] for p in self.stalled) for i in range(3)]
+        self.stalled_held = [sum(held[p][i] for p in self.stalled) for i in range(2)]
 
     def over(self, prefill, tokens: int) -> bool:
         held = self.held.get(prefill)
@@ -446,17 +447,16 @@ class _PrefillShares:
             held[0] + tokens <= self.tokens and held[1] < self.slots
         ):
             return False
-        past_half = any(h >= m for h, m in zip(self.stalled_held, self.half))
-        return held[2] > 0 or past_half
+        return any(h >= m for h, m in zip(self.stalled_held, self.half))
 
     def hold(self, prefill, tokens: int, served_before: int) -> None:
         held = self.held.get(prefill)
         if held is None:
-            held = self.held[prefill] = [0, 0, 0, served_before]
+            held = self.held[prefill] = [0, 0, served_before]
             self.stalled.add(prefill)
         entries = (held, self.stalled_held) if prefill in self.stalled else (held,)
         for entry in entries:
-            entry[:3] = entry[0] + tokens, entry[1] + 1, entry[2] + 1
+            entry[:2] = entry[0] + tokens, entry[1] + 1
 
 
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
@@ -2278,16 +2278,15 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         transfer_queue = self.transfer_queue
         held: Dict = {}
         ended = [entry[0] for entry in transfer_queue._deferred_releases]
-        for in_transfer, decode_reqs in ((1, transfer_queue.queue), (0, ended)):
+        for decode_reqs in (transfer_queue.queue, ended):
             for decode_req in decode_reqs:
                 if decode_req.host_staged or _is_fake_transfer(decode_req.req):
                     continue
                 prefill = DecodeTransferQueue._prefill_of(decode_req)
-                entry = held.setdefault(prefill, [0, 0, 0, decode_req.served_before])
+                entry = held.setdefault(prefill, [0, 0, decode_req.served_before])
                 entry[0] += self._share_tokens(decode_req.req)
                 entry[1] += 1
-                entry[2] += in_transfer
-                entry[3] = min(entry[3], decode_req.served_before)
+                entry[2] = min(entry[2], decode_req.served_before)
         served = transfer_queue._served or {}
         for prefill in served.keys() - held.keys():
             del served[prefill]  # prefills coming and going leave nothing behind
