@@ -32,7 +32,7 @@ in-process bootstrap servers that answer /health until they are frozen.
   probe thread after 60 s, so idle is measured 62 s after). With
   ``--metrics``, also the per-peer series on the decode's /metrics at the
   peak and a minute after the last prefill went (patched only).
-- ``--metrics``: the decode's per-peer metrics on (patch 11, as with sglang's
+- ``--metrics``: the decode's per-peer metrics on (patch 12, as with sglang's
   --enable-metrics: a _PeerMetrics writing a temporary multiprocess
   directory every second, rows built in each cycle): P11 and P15 measured
   with them. Stock has none: the switch does nothing there.

@@ -209,7 +209,7 @@ def report(stock, patched, png_name):
         "",
         "The same 400 cycles (5 ms apart) with a request every 4th cycle, less "
         "400 without requests, per request admitted; median of 5. Per-peer "
-        f"metrics (patch 11) {'on' if patched.get('metrics') else 'off'}.",
+        f"metrics (patch 12) {'on' if patched.get('metrics') else 'off'}.",
         "",
         "| | requests served | CPU per request |",
         "|---|---|---|",

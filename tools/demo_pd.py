@@ -333,7 +333,7 @@ def server_cmd(model: Path, role: str, port: int, args, extra: List[str]):
         args.backend,
         "--log-level",
         "info",
-        # For the per-peer series (patches 11, 12) the demo scrapes from /metrics.
+        # For the per-peer series (patches 12, 13) the demo scrapes from /metrics.
         "--enable-metrics",
     ]
     return cmd + extra
@@ -485,7 +485,7 @@ def health_poller(url, t0, stop: threading.Event, rows: List[dict], interval=0.5
         stop.wait(max(0.0, interval - row["latency"]))
 
 
-# The per-peer series (patches 11, 12) the report plots: the decode's view of each
+# The per-peer series (patches 12, 13) the report plots: the decode's view of each
 # prefill, and the prefill's view of each decode.
 PEER_SERIES = (
     "sglang:pd_prefill_held_tokens",

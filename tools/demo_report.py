@@ -585,7 +585,7 @@ def with_gaps(points, gap_s: float = 3.0) -> list:
 
 
 def plot_peers(ax, r: dict, colors: dict, window) -> None:
-    """The sick peer's series scraped from /metrics during the run (patches 11, 12):
+    """The sick peer's series scraped from /metrics during the run (patches 12, 13):
     what each prefill holds of the decode's KV, or with a sick decode, the
     age of the prefill's oldest chunk for each decode."""
     ax.axvspan(window[0], window[1], color="tab:orange", alpha=0.15, lw=0)

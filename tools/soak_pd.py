@@ -701,7 +701,7 @@ def run(args, procs: SoakProcesses) -> dict:
     metrics.start()
     health: List[dict] = []
     stop = threading.Event()
-    # The decode's per-prefill series (patch 11), for the report's plot.
+    # The decode's per-prefill series (patch 12), for the report's plot.
     peer_metrics: List[dict] = []
     threading.Thread(
         target=metrics_poller,

@@ -206,7 +206,7 @@ def summarize(r: dict) -> dict:
     state = (r.get("decode_state") or {}).get("last")
     if state is None and r.get("peer_end"):
         # The rebuilt decode logs no tables: its per-prefill series on
-        # /metrics (patch 11) at the end, summed over the prefills.
+        # /metrics (patch 12) at the end, summed over the prefills.
         state = Counter()
         for x in r["peer_end"]:
             if x["name"] in PEER_EMPTY:
@@ -508,7 +508,7 @@ def tables(results: List[dict]) -> str:
     out.append(
         "Decode tables at the end: its last `PD decode state` log line (earlier "
         "builds), or its per-prefill series on /metrics summed over the "
-        "prefills (patch 11; stock exposes neither)"
+        "prefills (patch 12; stock exposes neither)"
     )
     out.append("")
     for r, s in zip(results, sums):
@@ -652,7 +652,7 @@ def plot(results: List[dict], path: Path) -> None:
 
 def plot_held(ax, r: dict, colors: dict) -> None:
     """What each prefill holds of the decode's KV, scraped from the decode's
-    /metrics during the run (patch 11; stock has none)."""
+    /metrics during the run (patch 12; stock has none)."""
     lines: dict = {}
     for x in r.get("peer_metrics") or []:
         if x["name"] == "sglang:pd_prefill_held_tokens":

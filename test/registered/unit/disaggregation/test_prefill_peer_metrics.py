@@ -2,22 +2,22 @@
 has queued and in flight, how old its oldest chunk is, and its rooms failed.
 
 The real _TransferScheduler on a fake clock, and the Mooncake and NIXL
-transfer workers on fakes (test_prefill_transfer_scheduler.py's), read back
-as sglang's /metrics reads them. CPU-only, no sleeps.
+transfer workers on fakes (test_prefill_transfer_scheduler.py's and
+test_nixl_stuck_decode.py's), read back as sglang's /metrics reads them.
+CPU-only, no sleeps.
 """
 
 import unittest
 from types import SimpleNamespace
 from unittest import mock
 
-import test_prefill_transfer_scheduler as transfer_tests
+import test_nixl_stuck_decode as nixl_tests
+from test_nixl_stuck_decode import _nixl_prefill, _nixl_room
 from test_peer_metrics import LABELS, MetricsTestCase, scrape, series
 from test_prefill_transfer_scheduler import (
     SICK,
     _Clock,
     _mooncake_prefill,
-    _nixl_prefill,
-    _nixl_room,
     _room,
     _wait_status,
 )
@@ -175,7 +175,7 @@ class TestPrefillSeries(MetricsTestCase):
         chunk = _nixl_room(mgr, 1, "a1b2-uuid")
         mgr.decode_kv_args_table["a1b2-uuid"].endpoint = "10.0.0.7"
         mgr.decode_kv_args_table["a1b2-uuid"].dst_port = 17000
-        transfer_tests.TestNixlTransferWorker.run_worker(None, mgr, clock, chunk)
+        nixl_tests.TestNixlTransferWorker.run_worker(None, mgr, clock, chunk)
         self.assertEqual(mgr.request_status[1], KVPoll.Failed)
         mgr.peer_metrics.write()
         failed = series(scrape(self.dir), FAILED, kind="transfer")
