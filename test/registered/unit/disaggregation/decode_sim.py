@@ -437,7 +437,8 @@ class Rank:
     # -- one scheduling cycle (process_decode_queue) -----------------------
     def cycle(self) -> None:
         self.transfer.resolve_deferred_releases()
-        self.prealloc.publish_peer_metrics()
+        if hasattr(self.prealloc, "publish_peer_metrics"):  # not stock's (benches)
+            self.prealloc.publish_peer_metrics()
         admitted, _ = self.prealloc.pop_preallocated()
         self.transfer.extend(admitted)
         for req in self.transfer.pop_transferred():
