@@ -421,14 +421,13 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
 class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
     metadata slots before its KV arrives, in transfer or fenced. One that has
-    served none of them since the first was admitted is stalled. While the
-    stalled together hold less than half the pool, they are not capped
-    (healthy prefills at saturation often all count as stalled between
-    serves); then each may hold its share: the stalled together half of it.
-    So a request larger than any share starts, one that recovers is served
-    again, and however many hang for good they hold about half the pool.
-    Built from the queues and transfers served, so every attention-TP rank
-    decides alike, with no collective and no clock."""
+    served none of them since the first was admitted is stalled. Below half
+    the pool the stalled are not capped (healthy ones at saturation often all
+    count as stalled between serves), but a request larger than a share must
+    fit in that half; past it each may hold its share. So however many hang
+    for good they hold about half the pool, and one that recovers is served
+    again. Built from the queues and transfers served, so every attention-TP
+    rank decides alike, with no collective and no clock."""
 
     def __init__(self, held: Dict, served: Dict, tokens, slots):
         # prefill -> [tokens, slots, served_before of the oldest]
@@ -447,7 +446,9 @@ class _PrefillShares:
             held[0] + tokens <= self.tokens and held[1] < self.slots
         ):
             return False
-        return any(h >= m for h, m in zip(self.stalled_held, self.half))
+        # One larger than a share must fit in the half: hung, it stays there.
+        stalled = self.stalled_held[0] + (tokens if tokens > self.tokens else 0)
+        return stalled >= self.half[0] or self.stalled_held[1] >= self.half[1]
 
     def hold(self, prefill, tokens: int, served_before: int) -> None:
         held = self.held.get(prefill)
@@ -3432,10 +3433,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         info = kv.prefill_info_table.get(receiver.bootstrap_addr)
         if not isinstance(info, PrefillServerInfo):
             return  # failed already: it writes no more
-        deferred = self.enable_deferred_kv_release
-        if not (deferred and kv.enable_deferred_decode_kv_release):
-            if not kv.legacy_abort_ack:
-                return  # no ACK could end it: released at the deadline
+        deferred = kv.enable_deferred_decode_kv_release
+        if not (deferred and self.enable_deferred_kv_release or kv.legacy_abort_ack):
+            return  # no ACK could end it: released at the deadline
         self._fences = self._fences or {}
         served = (self._served or {}).get(self._prefill_of(decode_req), 0)
         self._fences[id(decode_req)] = [info, served, None]

@@ -193,6 +193,38 @@ class TestManyStuckAtOnce(SimTestCase):
                 self.doCleanups()
 
 
+class TestALargeRequestOfAStalledPrefill(SimTestCase):
+    """A request of a stalled prefill larger than its share never takes the
+    stalled past half the pool: hung for good, it would be fenced there
+    forever, and the healthy prefill's large requests would never fit (the
+    review's finding 1 at 645187c: 0 of 594 served in 10 minutes)."""
+
+    def test_the_healthy_prefill_keeps_half_the_pool(self):
+        for gap in (0, 40):  # its first request in transfer, or fenced only
+            with self.subTest(gap=gap):
+                rank = self.sim(
+                    [Prefill(HEALTHY, 0.5), Prefill(STUCK, None, acks=False)],
+                    tokens=8192,
+                    slots=64,
+                    waiting_timeout=30.0,
+                )
+                self.add(STUCK, prompt=400)
+                self.run_for(gap + 1)
+                self.add(STUCK, prompt=6000)
+                self.run_for(1)
+                healthy = {}
+
+                def every(t):
+                    if abs(t - round(t)) < 1e-9:
+                        healthy[self.add(HEALTHY, prompt=3000)] = t
+
+                self.run_for(120, every)
+                self.assertLessEqual(rank.held_by(STUCK), 8192 // 2)
+                sent = [r for r, t in healthy.items() if t < self.world.now - 5]
+                self.assertEqual([r for r in sent if r not in rank.served], [])
+                self.doCleanups()
+
+
 class TestDecodeOwnHealthProbe(SimTestCase):
     """sglang's /health on a decode generates one token through the fake
     transfer backend (FAKE_BOOTSTRAP_HOST): it has no prefill to share."""
