@@ -9,9 +9,8 @@ queues over simulated time (decode_sim.py). CPU-only, no sleeps.
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
+import time
 import unittest
 from contextlib import ExitStack
 from types import SimpleNamespace
@@ -187,8 +186,8 @@ class TestPeerMetricsFiles(MetricsTestCase):
     def test_series_of_a_process_that_died_without_teardown_go_at_next_start(self):
         # A user-set PROMETHEUS_MULTIPROC_DIR outlives the server: a failed
         # prefill's series of a scheduler that was killed would stay forever.
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
-        dead.wait()
+        # Its pid says nothing: a restarted container's scheduler often has
+        # the same (here, this process's own).
         with tempfile.TemporaryDirectory() as directory, mock.patch.dict(
             os.environ, {"PROMETHEUS_MULTIPROC_DIR": directory}
         ):
@@ -199,10 +198,10 @@ class TestPeerMetricsFiles(MetricsTestCase):
                 prefill = {"prefill": f"alive-{alive}:1"}
                 metrics.write(rows=[("sglang:pd_prefill_state", prefill, 3)])
                 for path in [] if alive else metrics._paths.values():
-                    pid = f"_{os.getpid()}pd"
-                    os.rename(path, path.replace(pid, f"_{dead.pid}pd"))
-            sglangs = os.path.join(directory, f"counter_{dead.pid}.db")
+                    os.utime(path, (time.time() - 61,) * 2)  # not rewritten since
+            sglangs = os.path.join(directory, f"counter_{os.getpid()}.db")
             shutil.copy(metrics._paths["counter"], sglangs)
+            os.utime(sglangs, (time.time() - 3600,) * 2)
             states = series(scrape(directory), "sglang:pd_prefill_state")
             self.assertEqual(states, {"alive-False:1": 3, "alive-True:1": 3})
             with sglang_context():

@@ -7,6 +7,7 @@ test_nixl_stuck_decode.py's), read back as sglang's /metrics reads them.
 CPU-only, no sleeps.
 """
 
+import threading
 import unittest
 from types import SimpleNamespace
 from unittest import mock
@@ -24,12 +25,17 @@ from test_prefill_transfer_scheduler import (
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.common import conn as conn_mod
-from sglang.srt.disaggregation.common.conn import _TransferScheduler
+from sglang.srt.disaggregation.common.conn import CommonKVManager, _TransferScheduler
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 
 FAILED = "sglang:pd_decode_rooms_failed_total"
+OLD, NEW = (
+    "3f2a1b9c-5d1e-4c5a-9d6f-0a1b2c3d4e5f",
+    "77e0c5d1-2b3a-4f4e-8a9b-5c6d7e8f9a0b",
+)
 
 
 class _Chunk(SimpleNamespace):
@@ -171,15 +177,40 @@ class TestPrefillSeries(MetricsTestCase):
         mgr = _nixl_prefill(clock)
         mgr._transfer_scheduler = _TransferScheduler()
         mgr.peer_metrics = self.metrics(mgr._peer_metric_rows)
-        mgr.durations["a1b2-uuid"] = None
-        chunk = _nixl_room(mgr, 1, "a1b2-uuid")
-        mgr.decode_kv_args_table["a1b2-uuid"].endpoint = "10.0.0.7"
-        mgr.decode_kv_args_table["a1b2-uuid"].dst_port = 17000
+        mgr.durations[OLD] = None
+        chunk = _nixl_room(mgr, 1, OLD)
+        mgr.decode_kv_args_table[OLD].endpoint = "10.0.0.7"
+        mgr.decode_kv_args_table[OLD].dst_port = 17000
         nixl_tests.TestNixlTransferWorker.run_worker(None, mgr, clock, chunk)
         self.assertEqual(mgr.request_status[1], KVPoll.Failed)
         mgr.peer_metrics.write()
         failed = series(scrape(self.dir), FAILED, kind="transfer")
-        self.assertEqual(failed, {"10.0.0.7:17000": 1})
+        self.assertEqual(failed, {"10.0.0.7:17000/3f2a1b9c": 1})
+        # It restarts at the same address: another agent, series of its own
+        # (one label set for both would show 0 or 1 by turns).
+        _nixl_room(mgr, 2, NEW)
+        mgr.decode_kv_args_table[NEW].endpoint = "10.0.0.7"
+        mgr.decode_kv_args_table[NEW].dst_port = 17000
+        mgr._transfer_scheduler.put((NEW,), SimpleNamespace(room=2))
+        mgr.peer_metrics.write()
+        failed = series(scrape(self.dir), FAILED, kind="transfer")
+        self.assertEqual(
+            failed, {"10.0.0.7:17000/3f2a1b9c": 1, "10.0.0.7:17000/77e0c5d1": 0}
+        )
+
+    def test_conclude_transfer_on_upstreams_spec_mock(self):
+        # A MagicMock(spec=MooncakeKVManager) has a (Mock) peer_metrics: it is
+        # not counted, and reads nothing 0.5.23's conclude_transfer does not.
+        mgr = mock.MagicMock(spec=MooncakeKVManager)
+        mgr.request_status = {7: KVPoll.Transferring}
+        mgr.failure_records = {}
+        mgr.failure_lock = threading.Lock()
+        mgr.deferred_bootstrap = None
+        status = CommonKVManager.conclude_transfer(
+            mgr, bootstrap_room=7, status=KVPoll.Failed, failure_reason="x"
+        )
+        self.assertEqual(status, KVPoll.Failed)
+        self.assertEqual(mgr.failure_records, {7: "x"})
 
 
 if __name__ == "__main__":

@@ -498,22 +498,20 @@ class _PeerMetrics:
             labels = None
         if labels is None:
             return None
-        cls._remove_dead(directory)
+        cls._remove_stale(directory)
         return cls(rows, directory, labels)
 
     @staticmethod
-    def _remove_dead(directory: str) -> None:
-        """Removes the files of processes that died without teardown, whose
+    def _remove_stale(directory: str) -> None:
+        """Removes the files of schedulers that died without teardown, whose
         series would stay while the directory does (a user-set one outlives
-        the server; sglang's mark_process_dead is never called)."""
-        for path in glob.glob(os.path.join(directory, "*_*pd*.db")):
-            try:
-                os.kill(int(path.rsplit("_", 1)[1].split("pd")[0]), 0)
-            except ProcessLookupError:
+        the server). A live one rewrites its files every second; a pid says
+        nothing (a restarted container's scheduler often gets the same)."""
+        for pattern in ("gauge_livemostrecent_*pd*.db", "counter_*pd*.db"):
+            for path in glob.glob(os.path.join(directory, pattern)):
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
-            except (OSError, ValueError):  # alive (another user's), or not ours
-                pass
+                    if time.time() - os.path.getmtime(path) > 60:
+                        os.unlink(path)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -1394,7 +1392,8 @@ class CommonKVManager(BaseKVManager):
                 failure_reason = self.failure_records.setdefault(
                     bootstrap_room, failure_reason or "KV transfer failed"
                 )
-            if getattr(self, "peer_metrics", None):
+            # Not upstream's MagicMock(spec=...) managers: theirs is a Mock.
+            if isinstance(getattr(self, "peer_metrics", None), _PeerMetrics):
                 infos = self.transfer_infos.get(bootstrap_room)
                 self._note_room_failed(bootstrap_room, failure_reason, infos)
 

@@ -27,6 +27,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    _PeerMetrics,
     _run_transfer_worker,
     _TransferScheduler,
 )
@@ -2139,7 +2140,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                     # leave the room to the decode's waiting timeout rather
                     # than telling it those pages are free.
                     self.record_failure(room, str(e))
-                    if self.peer_metrics:
+                    if isinstance(getattr(self, "peer_metrics", None), _PeerMetrics):
                         self._note_room_failed(room, str(e), room_transfer_infos)
                     self.update_status(room, KVPoll.Failed)
                     # This chunk stays counted in _staging_outstanding, so no
@@ -2228,10 +2229,11 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             self._prepare_state_xfer(decode_kv_args)
 
     def _decode_name(self, destination: tuple) -> str:
-        # Its agents' addresses: their names are uuids.
+        # Its agents' addresses (their names are uuids), and whose: a decode
+        # restarted at the same address is another agent, with series of its own.
         infos = [self.decode_kv_args_table.get(agent) for agent in destination]
         return ",".join(
-            f"{info.endpoint}:{info.dst_port}" if info else agent
+            f"{info.endpoint}:{info.dst_port}/{agent[:8]}" if info else agent
             for agent, info in zip(destination, infos)
         )
 
