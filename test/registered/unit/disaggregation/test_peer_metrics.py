@@ -200,8 +200,11 @@ class TestPeerMetricsFiles(MetricsTestCase):
                 for path in [] if alive else metrics._paths.values():
                     os.utime(path, (time.time() - 61,) * 2)  # not rewritten since
             sglangs = os.path.join(directory, f"counter_{os.getpid()}.db")
-            shutil.copy(metrics._paths["counter"], sglangs)
-            os.utime(sglangs, (time.time() - 3600,) * 2)
+            others = os.path.join(directory, "counter_updater.db")
+            half_written = f"{metrics._paths['counter']}.tmp".replace("pd", "0pd")
+            for path in (sglangs, others, half_written):
+                shutil.copy(metrics._paths["counter"], path)
+                os.utime(path, (time.time() - 3600,) * 2)
             states = series(scrape(directory), "sglang:pd_prefill_state")
             self.assertEqual(states, {"alive-False:1": 3, "alive-True:1": 3})
             with sglang_context():
@@ -211,6 +214,8 @@ class TestPeerMetricsFiles(MetricsTestCase):
             states = series(scrape(directory), "sglang:pd_prefill_state")
             self.assertEqual(states, {"alive-True:1": 3})
             self.assertTrue(os.path.exists(sglangs))  # prometheus_client's own
+            self.assertTrue(os.path.exists(others))  # not ours either
+            self.assertFalse(os.path.exists(half_written))  # killed mid-write
 
     def test_every_name_written_is_registered(self):
         for name, (typ, help_text) in PD_PEER_METRICS.items():

@@ -4,9 +4,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import glob
 import logging
 import os
+import re
 import threading
 import time
 from collections import defaultdict, deque
@@ -507,11 +507,12 @@ class _PeerMetrics:
         series would stay while the directory does (a user-set one outlives
         the server). A live one rewrites its files every second; a pid says
         nothing (a restarted container's scheduler often gets the same)."""
-        for pattern in ("gauge_livemostrecent_*pd*.db", "counter_*pd*.db"):
-            for path in glob.glob(os.path.join(directory, pattern)):
-                with contextlib.suppress(OSError):
-                    if time.time() - os.path.getmtime(path) > 60:
-                        os.unlink(path)
+        ours = re.compile(r"(gauge_livemostrecent|counter)_\d+pd\d+\.db(\.tmp)?")
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                if ours.fullmatch(name) and time.time() - os.path.getmtime(path) > 60:
+                    os.unlink(path)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
