@@ -421,13 +421,13 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
 class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
     metadata slots before its KV arrives, in transfer or fenced. One that has
-    served none of them since the first was admitted is stalled. Below half
-    the pool the stalled are not capped (healthy ones at saturation often all
-    count as stalled between serves), but a request larger than a share must
-    fit in that half; past it each may hold its share. So however many hang
-    for good they hold about half the pool, and one that recovers is served
-    again. Built from the queues and transfers served, so every attention-TP
-    rank decides alike, with no collective and no clock."""
+    served none of them since the first was admitted is stalled: it may hold
+    its share, and more only while the stalled together hold at most half the
+    pool. So however many hang for good they hold at most half the pool (and
+    each its first request, admitted before it could stall), and a request
+    larger than a share starts within that half. Built from the queues and
+    transfers served, so every attention-TP rank decides alike, with no
+    collective and no clock."""
 
     def __init__(self, held: Dict, served: Dict, tokens, slots):
         # prefill -> [tokens, slots, served_before of the oldest]
@@ -446,9 +446,9 @@ class _PrefillShares:
             held[0] + tokens <= self.tokens and held[1] < self.slots
         ):
             return False
-        # One larger than a share must fit in the half: hung, it stays there.
-        stalled = self.stalled_held[0] + (tokens if tokens > self.tokens else 0)
-        return stalled >= self.half[0] or self.stalled_held[1] >= self.half[1]
+        # Over it only within the stalled half: hung, what it gets stays.
+        tokens, slots = self.stalled_held[0] + tokens, self.stalled_held[1] + 1
+        return tokens > self.half[0] or slots > self.half[1]
 
     def hold(self, prefill, tokens: int, served_before: int) -> None:
         held = self.held.get(prefill)

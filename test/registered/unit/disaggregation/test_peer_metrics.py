@@ -271,7 +271,8 @@ class TestDecodeSeries(SimTestCase, MetricsTestCase):
         samples = self.scrape()
         held = series(samples, "sglang:pd_prefill_held_tokens")
         self.assertEqual(held[STUCK], self.share_tokens_held_by(STUCK))
-        self.assertGreaterEqual(held[STUCK], self.TOKENS // 2)
+        self.assertGreater(held[STUCK], self.TOKENS // 2 - 464)  # one request
+        self.assertLessEqual(held[STUCK], self.TOKENS // 2)
         self.assertLess(held[HEALTHY], held[STUCK])
         state = series(samples, "sglang:pd_prefill_state")
         self.assertEqual(state, {STUCK: 2, HEALTHY: 0})
