@@ -90,16 +90,13 @@ HEARTBEAT_PROBE_TIMEOUT_S = 5
 
 
 class _PrefillThreads:
-    """The decode's threads for its calls to prefill servers, at most
-    ``per_prefill`` for each prefill: a call runs on those of the prefill
-    whose bootstrap_addr is its first argument (parallel info, dp ranks,
-    routes; the heartbeat probes on an instance of their own, one thread per
-    prefill), so a prefill that hangs or trickles holds only its own, however
-    many do: PREFILL_THREADS + 1 of the decode's threads at most. Other calls
-    (a PD-retract /generate) go to ``shared``, 0.5.23's executor. Threads are
-    daemons that end after ``idle_s`` without work: a prefill that is gone
-    keeps none, and a hung one delays neither teardown nor exit. submit() and
-    shutdown() are ThreadPoolExecutor's."""
+    """The decode's threads for its calls to prefill servers: a call whose first
+    argument is a bootstrap_addr runs on at most ``per_prefill`` threads of
+    that prefill (heartbeat probes on an instance of their own), so a prefill
+    that hangs or trickles holds only its own, however many do. Other calls (a
+    PD-retract /generate) go to ``shared``, 0.5.23's executor. Threads are
+    daemons that end after ``idle_s`` idle: a prefill that is gone keeps none,
+    and a hung one delays neither teardown nor exit."""
 
     def __init__(self, shared, per_prefill: int = PREFILL_THREADS, idle_s=60.0):
         self._shared = shared
@@ -983,11 +980,8 @@ class CommonKVManager(BaseKVManager):
             ] = None
             self._prefill_recompute_executor_lock = threading.Lock()
             self._prefill_recompute_sessions = threading.local()
-            # The decode's calls to prefill servers (parallel info, dp ranks,
-            # routes) run here, never on the scheduler thread, each on its
-            # prefill's own threads: a prefill that hangs holds only those.
-            # The dp-rank queries already ran on the rebootstrap executor, so
-            # this is that executor too.
+            # The decode's calls to prefill servers, off the scheduler thread and
+            # each on its prefill's own threads; the rebootstrap executor too.
             workers = envs.SGLANG_DISAGGREGATION_THREAD_POOL_SIZE.get()
             self._parallel_info_executor = _PrefillThreads(
                 shared=concurrent.futures.ThreadPoolExecutor(
