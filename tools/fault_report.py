@@ -26,22 +26,37 @@ CLEAR = {
     "B": "Could not fetch bootstrap info from <addr> for: prefill_dp_rank: 0 "
     "prefill_cp_rank: 0 target_tp_rank: 0 and target_pp_rank 0",
     "C": "Lost connection with prefill instance (bootstrap_addr: <addr>)",
-    "D": "Prefill <addr> made no progress on this decode's KV transfers for N s "
-    "while its bootstrap server kept answering (a hung scheduler?); this request "
-    "ends so that it can be retried on another prefill.",
+    "D": "Prefill <addr> (dp rank 0) has served none of the requests this decode "
+    "sent it since the oldest one, and holds its share of this decode's KV (N "
+    "tokens): this request waited N s for it (SGLANG_DISAGGREGATION_WAITING_TIMEOUT) "
+    "and ends so that it can be retried on another prefill.",
+    "E": "Could not fetch the bootstrap info of prefill <addr> (prefill_dp_rank 0); "
+    "the decode log has the error of each lookup.",
+    "F": "Request <n> timed out after N s in KVPoll.WaitingForInput for prefill "
+    "<addr>",
+    "G": "The bootstrap info lookups to prefill <addr> have not ended N s after "
+    "they started, ...",
+    "H": "Prefill <addr> has not registered bootstrap_room <n> in the N s since "
+    "the decode first asked for its dp rank ...",
 }
+# A message is clear when it says what failed and names the prefill; each is
+# recognised by a part no other message has.
 PREFIXES = {
     "A": "Could not fetch prefill parallel info",
     "B": "Could not fetch bootstrap info",
     "C": "Lost connection with prefill instance",
-    "D": "Prefill <addr> made no progress on this decode's KV transfers",
+    "D": "has served none of the requests this decode sent it",
+    "E": "Could not fetch the bootstrap info of prefill",
+    "F": "in KVPoll.WaitingForInput for prefill",
+    "G": "The bootstrap info lookups to prefill",
+    "H": "has not registered bootstrap_room",
 }
 KINDS = ("info", "route", "dp_ranks", "health")
 
 
 def code(message: str, others: dict) -> str:
-    for key, prefix in PREFIXES.items():
-        if message.startswith(prefix):
+    for key, part in PREFIXES.items():
+        if part in message:
             return key
     if message not in others:
         others[message] = f"X{len(others) + 1}"

@@ -432,10 +432,9 @@ class _PrefillShares:
     served none of them since the first was admitted is stalled: it may hold
     its share, and more only while the stalled together hold at most half the
     pool. So however many hang for good they hold at most half the pool (and
-    each its first request, admitted before it could stall), and a request
-    larger than a share starts within that half. Built from the queues and
-    transfers served, so every attention-TP rank decides alike, with no
-    collective and no clock."""
+    each its first request), and a request larger than a share starts within
+    it. Built from the queues and transfers served, so every attention-TP rank
+    decides alike, with no collective and no clock."""
 
     def __init__(self, held: Dict, served: Dict, tokens, slots):
         # prefill -> [tokens, slots, served_before of the oldest]

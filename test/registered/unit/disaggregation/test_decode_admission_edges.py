@@ -10,6 +10,7 @@ no sleeps, no wall-clock asserts; ranks run in lockstep through a barrier.
 
 import inspect
 import random
+import time
 import unittest
 from contextlib import ExitStack, nullcontext
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from decode_sim import Collectives, Prefill, Rank, World, patched, rooms, run_ra
 
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.disaggregation.decode import (
     DecodePreallocQueue,
     DecodeRequest,
@@ -953,6 +955,31 @@ class TestNoNewCollective(SimTestCase):
 
         self.run_for(5, every)
         self.assertEqual(calls, [])
+
+
+class TestWaitingTimeoutNamesThePrefill(CustomTestCase):
+    def test_a_request_timed_out_waiting_for_its_kv_names_its_prefill(self):
+        # Requirement I: the requests of a stuck prefill admitted within its
+        # share end at 0.5.23's own waiting timeout, whose error named no
+        # prefill (fault matrix row 11: "Request <n> timed out after 6.0s in
+        # KVPoll.WaitingForInput"): the operator could not tell which.
+        kv_mgr = SimpleNamespace(
+            waiting_timeout=30, record_failure=mock.Mock(), update_status=mock.Mock()
+        )
+        receiver = object.__new__(CommonKVReceiver)
+        receiver.kv_mgr = kv_mgr
+        receiver.bootstrap_room = 7
+        receiver.bootstrap_addr = STUCK
+        receiver.init_time = time.time() - 60
+        receiver.abort_notified = True
+        receiver.invalidate_cached_bootstrap_infos = mock.Mock()
+
+        self.assertEqual(receiver._check_waiting_timeout(), KVPoll.Failed)
+
+        room, reason = kv_mgr.record_failure.call_args.args
+        self.assertEqual(room, 7)
+        self.assertIn("in KVPoll.WaitingForInput", reason)
+        self.assertIn(f"prefill {STUCK}", reason)
 
 
 if __name__ == "__main__":
