@@ -1358,9 +1358,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
     def _drop_idle_ensure_state(self) -> None:
         """Drop the retry bookkeeping of requests that left the pending list
-        another way (an abort): a later request starts with a fresh budget.
-        Looked for only when there are more entries than pending requests, each
-        of which has at most one (its room's, or its prefill's, shared)."""
+        another way (an abort), so a later one starts afresh. Only when there
+        are more entries than pending requests, each of which has at most one."""
         keys = self._ensure_retry_count.keys() | self._ensure_last_attempt_time.keys()
         if len(keys) <= len(self.pending_reqs):
             return

@@ -11,6 +11,7 @@ CPU-only, no sleeps: calls are held on ``threading.Event`` and meet at a
 ``threading.Barrier``.
 """
 
+import concurrent.futures
 import threading
 import unittest
 from collections import defaultdict
@@ -22,7 +23,7 @@ from sglang.srt.disaggregation.common import conn as conn_mod
 from sglang.srt.disaggregation.common.conn import PREFILL_THREADS, _PrefillThreads
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from test_no_network_on_scheduler_thread import make_decode_manager
+from test_no_network_on_scheduler_thread import FakeClock, make_decode_manager
 
 register_cpu_ci(est_time=3, suite="base-a-test-cpu")
 
@@ -249,6 +250,60 @@ class TestHeartbeatProbesEveryPrefillAtOnce(CustomTestCase):
             self.assertTrue(entered.acquire(timeout=_WAIT_S))
         self.assertEqual(set(calls.values()), {1})
         self.assertFalse(release.is_set())
+
+    def test_a_dead_prefill_is_declared_as_soon_among_frozen_ones_as_alone(self):
+        # P12b: a round waits for its probes up to HEARTBEAT_PROBE_TIMEOUT_S,
+        # all of it when one prefill is frozen. If the next round then began a
+        # whole interval later, a dead prefill's two misses took 14.1 s among
+        # 31 frozen prefills against 8.0 s alone. Fake clock: the probe wait
+        # takes its whole timeout, as a frozen probe makes it.
+        frozen, dead = self.addrs[:2]
+        for addr in self.addrs[2:]:
+            del self.mgr.prefill_info_table[addr]
+        release = threading.Event()
+        self.addCleanup(release.set)
+
+        def get(url, **kwargs):
+            if frozen in url:
+                release.wait(_WAIT_S)
+            raise ConnectionRefusedError(url)
+
+        self.probes(get)
+        clock = FakeClock()
+        clock.now = 0.0
+        real_wait = concurrent.futures.wait
+
+        def probe_wait(futures, timeout):
+            # The dead prefill's probe ends at once; the frozen one's never.
+            while sum(f.done() for f in futures) < len(futures) - 1:
+                real_wait(futures, _WAIT_S, concurrent.futures.FIRST_COMPLETED)
+            clock.now += timeout
+
+        class Shutdown(threading.Event):
+            def wait(self, timeout=None):
+                clock.now += timeout
+                return self.is_set()
+
+        declared = {}
+        both = threading.Event()
+
+        def on_failure(addr):
+            declared[addr] = clock.now
+            self.mgr.prefill_info_table.pop(addr)
+            if len(declared) == 2:
+                both.set()
+
+        self.mgr._handle_node_failure = on_failure
+        self.mgr.heartbeat_interval = 5
+        self.mgr._heartbeat_shutdown = Shutdown()
+        with mock.patch.object(conn_mod, "time", clock), mock.patch.object(
+            conn_mod.concurrent.futures, "wait", probe_wait
+        ):
+            self.run_heartbeat(both)
+
+        # Rounds at 5 and 10 s, each probe waited for 5 s: declared at 15 s,
+        # one probe wait after the two rounds alone would take (5 and 10 s).
+        self.assertEqual(declared, {frozen: 15.0, dead: 15.0})
 
 
 if __name__ == "__main__":

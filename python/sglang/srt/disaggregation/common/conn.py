@@ -1903,9 +1903,8 @@ class CommonKVManager(BaseKVManager):
             self._parallel_info_inflight.discard(bootstrap_addr)
 
     def parallel_info_fetch_in_flight(self, bootstrap_addr: str) -> bool:
-        # Read without the lock: a stale answer only costs a skipped cycle or
-        # one extra call that the locked re-check in try_ensure_parallel_info
-        # rejects.
+        # Unlocked: a stale answer costs a skipped cycle, or one extra call
+        # that try_ensure_parallel_info's locked re-check rejects.
         return bootstrap_addr in self._parallel_info_inflight
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -1916,8 +1915,7 @@ class CommonKVManager(BaseKVManager):
         if bootstrap_addr in self.prefill_info_table:
             return True
         with self.connection_lock:
-            # Re-check under the lock: a fetch may have published since the
-            # unlocked check above.
+            # A fetch may have published since the unlocked check above.
             if bootstrap_addr in self.prefill_info_table:
                 return True
             if bootstrap_addr in self._parallel_info_inflight:
@@ -2746,17 +2744,19 @@ class CommonKVManager(BaseKVManager):
         """
 
         def heartbeat_checker():
-            # Each prefill is probed on its own threads, all at once, and one
-            # not answered by HEARTBEAT_PROBE_TIMEOUT_S misses: a prefill that
-            # hangs delays no other's verdict, however many hang. One thread
-            # per prefill, apart from _parallel_info_executor's: a probe never
-            # queues behind the decode's calls to a live prefill that is slow
-            # to answer them. (Probes all have an address: no shared thread.)
+            # Each prefill is probed on a thread of its own (not behind the
+            # decode's calls to it), all at once; one not answered by
+            # HEARTBEAT_PROBE_TIMEOUT_S misses, and rounds start every interval
+            # however long that took: a hung prefill delays no other's verdict.
             probe_threads = _PrefillThreads(
                 concurrent.futures.ThreadPoolExecutor(max_workers=1), per_prefill=1
             )
             probes: Dict[str, concurrent.futures.Future] = {}
-            while not self._heartbeat_shutdown.wait(self.heartbeat_interval):
+            round_at = time.monotonic()
+            while not self._heartbeat_shutdown.wait(
+                max(0.0, round_at + self.heartbeat_interval - time.monotonic())
+            ):
+                round_at = time.monotonic()
                 with self.connection_lock:
                     addresses = list(self.prefill_info_table.keys())
                 for bootstrap_addr in addresses:
