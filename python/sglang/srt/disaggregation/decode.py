@@ -162,7 +162,7 @@ def _bootstrap_addr(req: Req) -> str:
     return _host_port_str(req.bootstrap_host, req.bootstrap_port)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024, typed=True)
 def _host_port_str(host, port) -> str:
     # Each cycle groups every pending request by it: parsing the host each
     # time took 25 ms a cycle at 5,000 pending.
@@ -428,43 +428,33 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
 
 class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
-    metadata slots before its KV arrives, in transfer or fenced. One that has
-    served none of them since the first was admitted is stalled: it may hold
-    its share, and more only while the stalled together hold at most half the
-    pool. So however many hang for good they hold at most half the pool (and
-    each its first request), and a request larger than a share starts within
-    it. Built from the queues and transfers served, so every attention-TP rank
-    decides alike, with no collective and no clock."""
+    metadata slots before its KV arrives, in transfer or fenced: in all, and
+    what it has not served since (stalled). Of the latter it may hold its share,
+    and more only while the stalled together hold at most half the pool. So
+    however many hang for good, however busy when they hung, the requests sent
+    them since hold at most half the pool, and a request larger than a share
+    starts within it. Built from the queues and transfers served, so every
+    attention-TP rank decides alike, with no collective and no clock."""
 
-    def __init__(self, held: Dict, served: Dict, tokens, slots):
-        # prefill -> [tokens, slots, served_before of the oldest]
-        self.held = held
-        self.served = served
-        self.stalled = {p for p, h in held.items() if served.get(p, 0) == h[2]}
+    def __init__(self, held: Dict, stalled: Dict, served: Dict, tokens, slots):
+        self.held, self.stalled, self.served = held, stalled, served  # [tokens, slots]
         # The stalled share half the pool: the healthy keep the other half.
-        parts = max(2, len(held), 2 * len(self.stalled))
+        parts = max(2, len(held), 2 * len(stalled))
         self.tokens, self.slots = tokens // parts, slots // parts
         self.half = (tokens // 2, slots // 2)
-        self.stalled_held = [sum(held[p][i] for p in self.stalled) for i in range(2)]
+        self.stalled_held = [sum(h[i] for h in stalled.values()) for i in range(2)]
 
     def over(self, prefill, tokens: int) -> bool:
-        held = self.held.get(prefill)
-        if prefill not in self.stalled or (
-            held[0] + tokens <= self.tokens and held[1] < self.slots
-        ):
+        held = self.stalled.get(prefill)
+        if held is None or (held[0] + tokens <= self.tokens and held[1] < self.slots):
             return False
         # Over it only within the stalled half: hung, what it gets stays.
         tokens, slots = self.stalled_held[0] + tokens, self.stalled_held[1] + 1
         return tokens > self.half[0] or slots > self.half[1]
 
-    def hold(self, prefill, tokens: int, served_before: int) -> None:
-        held = self.held.get(prefill)
-        if held is None:
-            held = self.held[prefill] = [0, 0, served_before]
-            self.stalled.add(prefill)
-        entries = (held, self.stalled_held) if prefill in self.stalled else (held,)
-        for entry in entries:
-            entry[:2] = entry[0] + tokens, entry[1] + 1
+    def hold(self, prefill, tokens: int) -> None:
+        for entry in (self.stalled.setdefault(prefill, [0, 0]), self.stalled_held):
+            entry[:] = entry[0] + tokens, entry[1] + 1
 
 
 class DecodePreallocQueue(DecodeHiCachePreallocMixin):
@@ -2283,24 +2273,28 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
     def _prefill_shares(self) -> _PrefillShares:
         transfer_queue = self.transfer_queue
+        served = transfer_queue._served or {}
         held: Dict = {}
+        stalled: Dict = {}
         ended = [entry[0] for entry in transfer_queue._deferred_releases]
         for decode_reqs in (transfer_queue.queue, ended):
             for decode_req in decode_reqs:
                 if decode_req.host_staged or _is_fake_transfer(decode_req.req):
                     continue
                 prefill = DecodeTransferQueue._prefill_of(decode_req)
-                entry = held.setdefault(prefill, [0, 0, decode_req.served_before])
-                entry[0] += self._share_tokens(decode_req.req)
-                entry[1] += 1
-                entry[2] = min(entry[2], decode_req.served_before)
-        served = transfer_queue._served or {}
+                # Ended, or sent it since it last served: it may never serve it.
+                since = decode_req.served_before == served.get(prefill, 0)
+                tables = (held, stalled) if since or decode_reqs is ended else (held,)
+                for table in tables:
+                    entry = table.setdefault(prefill, [0, 0])
+                    entry[0] += self._share_tokens(decode_req.req)
+                    entry[1] += 1
         for prefill in served.keys() - held.keys():
             del served[prefill]  # prefills coming and going leave nothing behind
         # Only what 0.5.23 reads: upstream's allocator doubles have no size.
         slots = self.req_to_metadata_buffer_idx_allocator.available_size()
         slots += sum(h[1] for h in held.values())
-        return _PrefillShares(held, served, self.max_total_num_tokens, slots)
+        return _PrefillShares(held, stalled, served, self.max_total_num_tokens, slots)
 
     _stalls: Dict = {}  # prefill -> since when it is stalled (this rank's clock)
 
@@ -2309,23 +2303,29 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         if _is_fake_transfer(decode_req.req):
             return False  # the decode's own /health: it has no prefill
         prefill = DecodeTransferQueue._prefill_of(decode_req)
+        room = decode_req.req.bootstrap_room
         if prefill not in skipped and not shares.over(
             prefill, self._share_tokens(decode_req.req)
         ):
+            if decode_req.held_since is not None:  # no longer: the reason goes
+                self.kv_manager.failure_records.pop(room, None)
             decode_req.held_since = None
             return False
         skipped.add(prefill)
+        first, timeout = decode_req.held_since is None, self.kv_manager.waiting_timeout
         stalled = self._stalls.get(prefill, now)  # not a wait for memory before
         decode_req.held_since = max(decode_req.held_since or now, stalled)
-        if now - decode_req.held_since >= self.kv_manager.waiting_timeout:
-            # Ends on every rank at the next poll, which all ranks reduce.
+        ended = now - decode_req.held_since >= timeout
+        if ended:  # on every rank at the next poll, which all ranks reduce
             decode_req.kv_receiver.abort()
+        if first or ended:
+            # Ranks hold it alike but end it by their own clocks: each has why.
             self.kv_manager.record_failure(
-                decode_req.req.bootstrap_room,
+                room,
                 f"Prefill {prefill[0]} (dp rank {prefill[1]}) has served none of "
-                f"the requests this decode sent it since the oldest one, and holds "
-                f"its share of this decode's KV ({shares.tokens} tokens): this "
-                f"request waited {now - decode_req.held_since:.0f} s for it "
+                f"the requests this decode sent it since it last served one, and "
+                f"they hold its share of this decode's KV ({shares.tokens} tokens): "
+                f"this request waited {timeout:.0f} s for it "
                 f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT) and ends so that it can "
                 f"be retried on another prefill.",
             )
@@ -2416,9 +2416,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             return
         prefill = DecodeTransferQueue._prefill_of(decode_req)
         decode_req.served_before = shares.served.get(prefill, 0)
-        shares.hold(
-            prefill, self._share_tokens(decode_req.req), decode_req.served_before
-        )
+        shares.hold(prefill, self._share_tokens(decode_req.req))
 
     def _active_req_count(self, extra_reserved_reqs: int = 0) -> int:
         return (

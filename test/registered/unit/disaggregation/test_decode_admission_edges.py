@@ -122,6 +122,30 @@ class TestStuckForGood(SimTestCase):
         latency = [self.rank.served[room] - t for room, t in sent.items()]
         self.assertLessEqual(max(latency), 2.0)
 
+    def test_one_that_hangs_while_busy_holds_at_most_its_share(self):
+        # Review 11: the common way a prefill hangs is mid-stream, with
+        # requests sent it before it last served. Counted from its oldest, it
+        # was never stalled again: it took 8,000 of the 8,192 tokens, for good.
+        stuck = self.world.prefills[STUCK]
+        stuck.transfer_s = 0.5
+        most = 0
+
+        def every(t):
+            nonlocal most
+            if t == 20:
+                stuck.transfer_s = None  # hangs, for good
+            if abs(2 * t - round(2 * t)) < 1e-9:  # two a second to each
+                self.add(STUCK)
+                self.healthy_rooms[self.add(HEALTHY)] = t
+            most = max(most, self.rank.held_by(STUCK))
+
+        self.run_for(600, every)
+        self.assertLessEqual(most, self.TOKENS // 2 + 400)
+        sent = {r: t for r, t in self.healthy_rooms.items() if t < self.world.now - 5}
+        self.assertEqual([r for r in sent if r not in self.rank.served], [])
+        latency = [self.rank.served[room] - t for room, t in sent.items()]
+        self.assertLessEqual(max(latency), 2.0)
+
     def test_its_waiting_requests_end_by_the_waiting_timeout_naming_it(self):
         added = {}
 
@@ -376,6 +400,28 @@ class TestRanksAgree(SimTestCase):
             self.assertEqual(rooms_of(rank0), rooms_of(rank1), self.world.now)
         self.assertGreater(len(rank0.served), 50)
         self.doCleanups()
+
+    def test_every_rank_names_the_prefill_of_a_request_held_at_its_share(self):
+        # Review 11: each rank ends a held request on its own clock, and only
+        # the one that did recorded why: when rank 1 read its clock later than
+        # rank 0, rank 0, which answers the client, said "Failed due to an
+        # unknown reason from another rank" (32 of 32 in the review's run).
+        self.healthy_and_stuck(ranks=2)
+        rank0, rank1 = self.ranks
+        stuck = []
+
+        def every(t):
+            # Rank 1's clock runs faster than rank 0's: it ends each one first.
+            rank0.clock.offset, rank1.clock.offset = -t * 1e-6, t * 1e-6
+            if abs(t - round(t)) < 1e-9 and t <= 40:
+                stuck.append(self.add(STUCK))
+                self.add(HEALTHY)
+
+        self.run_for(40 + self.TIMEOUT + 1, every)
+        held = [r for r in stuck if "its share" in rank1.ended.get(r, "")]
+        self.assertGreater(len(held), 10)
+        for room in held:
+            self.assertIn(f"Prefill {STUCK} (dp rank 0)", rank0.ended[room], room)
 
 
 class TestSlowButHealthy(SimTestCase):
@@ -980,6 +1026,10 @@ class TestWaitingTimeoutNamesThePrefill(CustomTestCase):
         self.assertEqual(room, 7)
         self.assertIn("in KVPoll.WaitingForInput", reason)
         self.assertIn(f"prefill {STUCK}", reason)
+
+        # A fake of 0.5.23's shape, with no address, still times out.
+        del receiver.bootstrap_addr
+        self.assertEqual(receiver._check_waiting_timeout(), KVPoll.Failed)
 
 
 if __name__ == "__main__":

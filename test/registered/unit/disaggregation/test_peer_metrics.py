@@ -452,7 +452,7 @@ class TestHeldStateOfARecoveredPrefill(SimTestCase, MetricsTestCase):
         self.assertTrue([r for r in rank.prealloc.queue if r.held_since])
         self.world.prefills[STUCK].transfer_s = 0.5  # it recovers
         self.run_for(5)
-        self.assertEqual(rank.prealloc._prefill_shares().stalled, set())
+        self.assertEqual(dict(rank.prealloc._prefill_shares().stalled), {})
         self.assertTrue([r for r in rank.prealloc.queue if r.held_since])
         rank.prealloc._peer_metrics_due = 0.0
         self.run_for(0.25)

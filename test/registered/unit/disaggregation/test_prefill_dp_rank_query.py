@@ -503,6 +503,10 @@ class TestPendingOfFrozenPrefills(CustomTestCase):
                 queue._resolve_pending_reqs()
 
         self.assertEqual(parse.call_count, 4)
+        # Cached by value and type: a float port is not taken for an int one.
+        for port in (19000.0, 19000):
+            req = make_req(port, 0)
+            self.assertEqual(decode_mod._bootstrap_addr(req), f"127.0.0.1:{port}")
         self.assertEqual(len(queue.pending_reqs), 400)
         self.assertEqual(
             sorted(

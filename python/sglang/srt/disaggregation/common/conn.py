@@ -3759,7 +3759,8 @@ class CommonKVReceiver(BaseKVReceiver):
         self.kv_mgr.record_failure(
             self.bootstrap_room,
             f"Request {self.bootstrap_room} timed out after {elapsed:.1f}s "
-            f"in KVPoll.WaitingForInput for prefill {self.bootstrap_addr}",
+            f"in KVPoll.WaitingForInput for prefill "
+            f"{getattr(self, 'bootstrap_addr', None)}",
         )
         self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
         self.invalidate_cached_bootstrap_infos()
