@@ -218,8 +218,9 @@ class _TransferScheduler:
     worker's get() takes the next chunk of the destination that has waited
     longest, and no other worker takes that destination's chunks until this
     one asks for its next. A room's chunks thus go out in order, one at a
-    time, and a decode that stops answering holds one worker, with its rooms
-    queued behind it; the other workers serve the other decodes.
+    time, and a decode that stops answering holds one worker (with DP
+    attention, one per dp rank it has rooms of), with its rooms queued behind
+    it; the other workers serve the other decodes.
     ``first_contact(destination)`` runs on the worker before a destination's
     first chunk, and again after ``forget`` of one of its members."""
 
