@@ -27,9 +27,10 @@ CLEAR = {
     "prefill_cp_rank: 0 target_tp_rank: 0 and target_pp_rank 0",
     "C": "Lost connection with prefill instance (bootstrap_addr: <addr>)",
     "D": "Prefill <addr> (dp rank 0) has served none of the requests this decode "
-    "sent it since the oldest one, and holds its share of this decode's KV (N "
-    "tokens): this request waited N s for it (SGLANG_DISAGGREGATION_WAITING_TIMEOUT) "
-    "and ends so that it can be retried on another prefill.",
+    "sent it since it last served one, and they hold its share of this decode's KV "
+    "(N tokens): this request waited N s for it "
+    "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT) and ends so that it can be retried on "
+    "another prefill.",
     "E": "Could not fetch the bootstrap info of prefill <addr> (prefill_dp_rank 0); "
     "the decode log has the error of each lookup.",
     "F": "Request <n> timed out after N s in KVPoll.WaitingForInput for prefill "

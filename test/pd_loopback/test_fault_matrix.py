@@ -32,8 +32,8 @@ LOST = "Lost connection with prefill instance (bootstrap_addr: <addr>)"
 DP_RANK_FAILED = "Could not fetch the prefill dp rank of bootstrap_room <n> from <addr>"
 ROUTE_OVERDUE = "bootstrap info lookups to prefill <addr> have not ended"
 # A stuck prefill's requests: held at its share, or in transfer (0.5.23's).
-HELD_AT_SHARE = "has served none of the requests this decode sent it since the oldest"
-TIMED_OUT = "in KVPoll.WaitingForInput"
+HELD_AT_SHARE = "has served none of the requests this decode sent it since it last"
+TIMED_OUT = "in KVPoll.WaitingForInput for prefill"
 CLEAR = (
     PARALLEL_INFO_FAILED,
     ROUTE_FAILED,
