@@ -2303,13 +2303,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         if _is_fake_transfer(decode_req.req):
             return False  # the decode's own /health: it has no prefill
         prefill = DecodeTransferQueue._prefill_of(decode_req)
-        room = decode_req.req.bootstrap_room
         if prefill not in skipped and not shares.over(
             prefill, self._share_tokens(decode_req.req)
         ):
-            if decode_req.held_since is not None:  # no longer: the reason goes
-                self.kv_manager.failure_records.pop(room, None)
-            decode_req.held_since = None
+            self._unhold(decode_req)
             return False
         skipped.add(prefill)
         first, timeout = decode_req.held_since is None, self.kv_manager.waiting_timeout
@@ -2321,7 +2318,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         if first or ended:
             # Ranks hold it alike but end it by their own clocks: each has why.
             self.kv_manager.record_failure(
-                room,
+                decode_req.req.bootstrap_room,
                 f"Prefill {prefill[0]} (dp rank {prefill[1]}) has served none of "
                 f"the requests this decode sent it since it last served one, and "
                 f"they hold its share of this decode's KV ({shares.tokens} tokens): "
@@ -2414,9 +2411,15 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     def _note_admitted(self, decode_req: DecodeRequest, shares: _PrefillShares):
         if _is_fake_transfer(decode_req.req):
             return
+        self._unhold(decode_req)
         prefill = DecodeTransferQueue._prefill_of(decode_req)
         decode_req.served_before = shares.served.get(prefill, 0)
         shares.hold(prefill, self._share_tokens(decode_req.req))
+
+    def _unhold(self, decode_req: DecodeRequest) -> None:
+        if decode_req.held_since is not None:  # held no longer: the reason goes
+            self.kv_manager.failure_records.pop(decode_req.req.bootstrap_room, None)
+            decode_req.held_since = None
 
     def _active_req_count(self, extra_reserved_reqs: int = 0) -> int:
         return (

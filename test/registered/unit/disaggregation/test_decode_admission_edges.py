@@ -423,6 +423,34 @@ class TestRanksAgree(SimTestCase):
         for room in held:
             self.assertIn(f"Prefill {STUCK} (dp rank 0)", rank0.ended[room], room)
 
+    def test_a_request_admitted_after_being_held_keeps_no_held_reason(self):
+        # Review 12: the reason recorded when a request is first held was
+        # dropped only by a later _held_at_share call, which a cycle with no
+        # stalled prefill skips: admitted after its prefill recovered, a
+        # request whose transfer then failed on another rank told the client
+        # it had waited the whole timeout at a stalled prefill.
+        rank = self.healthy_and_stuck(waiting_timeout=300.0)
+        held = []
+
+        def every(t):
+            if abs(t - round(t)) < 1e-9 and t <= 12:
+                held.append(self.add(STUCK))
+
+        self.run_for(13, every)
+        records = rank.kv_manager.failure_records
+        self.assertGreater(len([r for r in held if r in records]), 2)
+        self.world.prefills[STUCK].transfer_s = 1.0  # it recovers
+        admitted = set()
+        for _ in range(12):
+            self.run_for(DT)
+            for decode_req in rank.transfer.queue:
+                room = decode_req.req.bootstrap_room
+                if room in held:
+                    admitted.add(room)
+                    self.assertNotIn(room, records, self.world.now)
+                    self.assertIsNone(decode_req.held_since)
+        self.assertGreater(len(admitted), 2)
+
 
 class TestSlowButHealthy(SimTestCase):
     """Requirement A: a healthy prefill is never failed earlier than 0.5.23
