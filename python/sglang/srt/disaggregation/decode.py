@@ -437,7 +437,7 @@ class _PrefillShares:
     attention-TP rank decides alike, with no collective and no clock."""
 
     def __init__(self, held: Dict, stalled: Dict, served: Dict, tokens, slots):
-        self.held, self.stalled, self.served = held, stalled, served  # [tokens, slots]
+        self.held, self.stalled, self.served = held, stalled, served
         # The stalled share half the pool: the healthy keep the other half.
         parts = max(2, len(held), 2 * len(stalled))
         self.tokens, self.slots = tokens // parts, slots // parts
@@ -2274,8 +2274,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     def _prefill_shares(self) -> _PrefillShares:
         transfer_queue = self.transfer_queue
         served = transfer_queue._served or {}
-        held: Dict = {}
-        stalled: Dict = {}
+        held, stalled = {}, {}  # prefill -> [tokens, slots]
         ended = [entry[0] for entry in transfer_queue._deferred_releases]
         for decode_reqs in (transfer_queue.queue, ended):
             for decode_req in decode_reqs:
@@ -2346,25 +2345,19 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     def _peer_metric_rows(self, metrics: _PeerMetrics, now: float) -> list:
         kv, transfer_queue = self.kv_manager, self.transfer_queue
 
-        def addr_of(decode_req):  # the receiver's, parsed once
-            receiver = decode_req.kv_receiver
-            return getattr(receiver, "bootstrap_addr", None) or _bootstrap_addr(
-                decode_req.req
-            )
-
         names = ("held_tokens", "held_reqs", "fenced_tokens", "waiting_reqs", "state")
         rows = defaultdict(lambda: dict.fromkeys(names, 0))
         shares = self._prefill_shares()
-        for prefill, (tokens, reqs, *_) in shares.held.items():
+        for prefill, (tokens, reqs) in shares.held.items():
             rows[prefill[0]]["held_tokens"] += tokens
             rows[prefill[0]]["held_reqs"] += reqs
         for decode_req, _, deadline, *_ in transfer_queue._deferred_releases:
             if now >= deadline:  # held past the release timeout: it may write
                 tokens = self._share_tokens(decode_req.req)
-                rows[addr_of(decode_req)]["fenced_tokens"] += tokens
+                rows[_bootstrap_addr(decode_req.req)]["fenced_tokens"] += tokens
         for decode_req in self.queue:  # pending_reqs are in it too
             if not _is_fake_transfer(decode_req.req):
-                row = rows[addr_of(decode_req)]
+                row = rows[_bootstrap_addr(decode_req.req)]
                 row["waiting_reqs"] += 1
                 # Admission held it back, and still would (one waiting for
                 # memory keeps held_since once its prefill serves again).
