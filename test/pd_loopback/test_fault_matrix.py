@@ -45,6 +45,10 @@ CLEAR = (
     TIMED_OUT,
 )
 FETCH_BOUND_S = 10  # common/conn.py BOOTSTRAP_QUERY_TIMEOUT_S
+# teardown() joins the decode listener, which sees the stop flag between polls
+# of up to 500 ms (0.5.23's _make_worker_recv): measured 0.38-0.50 s, all of it
+# that join. A teardown that waited on the hanging fetch would take seconds.
+TEARDOWN_BOUND_S = 0.5 + CALL_BOUND_S
 
 
 class TestFaultMatrixMooncake(CustomTestCase):
@@ -156,7 +160,7 @@ class TestFaultMatrixMooncake(CustomTestCase):
         self.assertEqual(extra["teardown"], "teardown()", extra)
         self.assertEqual(extra["child_rc"], 0, extra)
         self.assertGreaterEqual(extra["fetches_in_flight_at_teardown"], 1, extra)
-        self.assertLess(extra["teardown_s"], CALL_BOUND_S, extra)
+        self.assertLess(extra["teardown_s"], TEARDOWN_BOUND_S, extra)
         # The fetch it left hanging runs on a daemon thread: nothing holds up
         # interpreter exit (which takes ~3 s here either way: torch, Mooncake).
         self.assertEqual(extra["non_daemon_threads_after_teardown"], [], extra)
