@@ -255,8 +255,9 @@ class TestHeartbeatProbesEveryPrefillAtOnce(CustomTestCase):
         # P12b: a round waits for its probes up to HEARTBEAT_PROBE_TIMEOUT_S,
         # all of it when one prefill is frozen. If the next round then began a
         # whole interval later, a dead prefill's two misses took 14.1 s among
-        # 31 frozen prefills against 8.0 s alone. Fake clock: the probe wait
-        # takes its whole timeout, as a frozen probe makes it.
+        # 31 frozen prefills against 8.0 s alone; judged at the end of that
+        # wait, 10.9 s. Fake clock: a wait for the frozen probe takes its
+        # whole timeout.
         frozen, dead = self.addrs[:2]
         for addr in self.addrs[2:]:
             del self.mgr.prefill_info_table[addr]
@@ -271,13 +272,21 @@ class TestHeartbeatProbesEveryPrefillAtOnce(CustomTestCase):
         self.probes(get)
         clock = FakeClock()
         clock.now = 0.0
-        real_wait = concurrent.futures.wait
+        real_as_completed = concurrent.futures.as_completed
 
-        def probe_wait(futures, timeout):
+        def as_completed(futures, timeout):
             # The dead prefill's probe ends at once; the frozen one's never.
-            while sum(f.done() for f in futures) < len(futures) - 1:
-                real_wait(futures, _WAIT_S, concurrent.futures.FIRST_COMPLETED)
+            ended = real_as_completed(futures, _WAIT_S)
+            for _ in range(len(futures) - 1):
+                yield next(ended)
             clock.now += timeout
+            raise concurrent.futures.TimeoutError()
+
+        def wait(futures, timeout):  # the same, for rounds judged at their end
+            try:
+                list(as_completed(futures, timeout))
+            except concurrent.futures.TimeoutError:
+                pass
 
         class Shutdown(threading.Event):
             def wait(self, timeout=None):
@@ -297,13 +306,14 @@ class TestHeartbeatProbesEveryPrefillAtOnce(CustomTestCase):
         self.mgr.heartbeat_interval = 5
         self.mgr._heartbeat_shutdown = Shutdown()
         with mock.patch.object(conn_mod, "time", clock), mock.patch.object(
-            conn_mod.concurrent.futures, "wait", probe_wait
-        ):
+            conn_mod.concurrent.futures, "as_completed", as_completed
+        ), mock.patch.object(conn_mod.concurrent.futures, "wait", wait):
             self.run_heartbeat(both)
 
-        # Rounds at 5 and 10 s, each probe waited for 5 s: declared at 15 s,
-        # one probe wait after the two rounds alone would take (5 and 10 s).
-        self.assertEqual(declared, {frozen: 15.0, dead: 15.0})
+        # Rounds at 5 and 10 s: the dead prefill is declared when its second
+        # probe ends, at 10 s as alone; the frozen one 5 s later, at the end of
+        # its second probe's wait.
+        self.assertEqual(declared, {frozen: 15.0, dead: 10.0})
 
 
 if __name__ == "__main__":

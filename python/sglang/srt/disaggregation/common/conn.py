@@ -91,12 +91,10 @@ HEARTBEAT_PROBE_TIMEOUT_S = 5
 
 class _PrefillThreads:
     """The decode's threads for its calls to prefill servers: a call whose first
-    argument is a bootstrap_addr runs on at most ``per_prefill`` threads of
-    that prefill (heartbeat probes on an instance of their own), so a prefill
-    that hangs or trickles holds only its own, however many do. Other calls (a
-    PD-retract /generate) go to ``shared``, 0.5.23's executor. Threads are
-    daemons that end after ``idle_s`` idle: a prefill that is gone keeps none,
-    and a hung one delays neither teardown nor exit."""
+    argument is a bootstrap_addr runs on at most ``per_prefill`` threads of that
+    prefill, so one that hangs or trickles holds only its own. Other calls go to
+    ``shared``, 0.5.23's executor. Daemon threads, ended after ``idle_s`` idle:
+    none waits on a prefill at teardown or exit, nor outlives one gone."""
 
     def __init__(self, shared, per_prefill: int = PREFILL_THREADS, idle_s=60.0):
         self._shared = shared
@@ -181,6 +179,17 @@ class _PrefillThreads:
                     tasks.clear()
                 self._wake[addr].notify_all()
         self._shared.shutdown(wait=False, cancel_futures=cancel_futures)
+
+
+def _as_they_end(probes: Dict[str, concurrent.futures.Future], timeout: float):
+    """(bootstrap_addr, probe) as each ends, then those running after timeout."""
+    addr_of = {probe: addr for addr, probe in probes.items()}
+    try:
+        for probe in concurrent.futures.as_completed(addr_of, timeout):
+            yield addr_of.pop(probe), probe
+    except concurrent.futures.TimeoutError:
+        pass
+    yield from ((addr, probe) for probe, addr in addr_of.items())
 
 
 # Reuse a keep-alive session per bootstrap_addr for decode-side bootstrap queries
@@ -1741,10 +1750,9 @@ class CommonKVManager(BaseKVManager):
     def _ensure_prefill_recompute_executor(
         self,
     ) -> Union[concurrent.futures.ThreadPoolExecutor, _PrefillThreads]:
-        """The shared executor that drives PD-retract rebootstrap ``/generate``
-        calls and the dp-rank queries: a decode's _parallel_info_executor (set
-        in __init__), else a ThreadPoolExecutor created on first use. One
-        executor per (decode) kv manager, shared across all receivers."""
+        """Lazily create the shared executor that drives PD-retract rebootstrap
+        ``/generate`` calls. One executor per (decode) kv manager, shared across
+        all receivers."""
         executor = self._prefill_recompute_executor
         if executor is not None:
             return executor
@@ -2095,11 +2103,9 @@ class CommonKVManager(BaseKVManager):
     def setup_bootstrap_routes(
         self, receiver: CommonKVReceiver
     ) -> concurrent.futures.Future:
-        """Run ``receiver._setup_bootstrap_infos()``, which asks the prefill's
-        bootstrap server for each target rank on a connection_pool miss, off
-        the scheduler thread. One setup per (prefill, dp rank) at a time: the
-        receivers that need the same routes meanwhile wait for it. The future
-        gives whether they are cached now."""
+        """Run ``receiver._setup_bootstrap_infos()`` off the scheduler thread,
+        one per (prefill, dp rank) at a time, which other receivers share. The
+        future gives whether the routes are cached now."""
         key = (receiver.bootstrap_addr, receiver.prefill_dp_rank)
         with self.connection_lock:
             setup = self._route_setups.get(key)
@@ -2746,9 +2752,9 @@ class CommonKVManager(BaseKVManager):
 
         def heartbeat_checker():
             # Each prefill is probed on a thread of its own (not behind the
-            # decode's calls to it), all at once; one not answered by
-            # HEARTBEAT_PROBE_TIMEOUT_S misses, and rounds start every interval
-            # however long that took: a hung prefill delays no other's verdict.
+            # decode's calls to it), all at once, and judged when its probe ends;
+            # one not answered by HEARTBEAT_PROBE_TIMEOUT_S misses. Rounds start
+            # every interval: a hung prefill delays no other's verdict.
             probe_threads = _PrefillThreads(
                 concurrent.futures.ThreadPoolExecutor(max_workers=1), per_prefill=1
             )
@@ -2765,12 +2771,11 @@ class CommonKVManager(BaseKVManager):
                         probes[bootstrap_addr] = probe_threads.submit(
                             self._probe_prefill_health, bootstrap_addr
                         )
-                concurrent.futures.wait(
-                    list(probes.values()), timeout=HEARTBEAT_PROBE_TIMEOUT_S
-                )
-                if self._heartbeat_shutdown.is_set():
-                    break
-                for bootstrap_addr, probe in list(probes.items()):
+                for bootstrap_addr, probe in _as_they_end(
+                    probes, HEARTBEAT_PROBE_TIMEOUT_S
+                ):
+                    if self._heartbeat_shutdown.is_set():
+                        break
                     if probe.done():
                         del probes[bootstrap_addr]
                     if probe.done() and not probe.cancelled() and probe.result():
