@@ -428,13 +428,11 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
 
 class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
-    metadata slots before its KV arrives, in transfer or fenced: in all, and
-    what it has not served since (stalled). Of the latter it may hold its share,
-    and more only while the stalled together hold at most half the pool. So
-    however many hang for good, however busy when they hung, the requests sent
-    them since hold at most half the pool, and a request larger than a share
-    starts within it. Built from the queues and transfers served, so every
-    attention-TP rank decides alike, with no collective and no clock."""
+    metadata slots until its KV arrives, in transfer or fenced, and of that what
+    it was sent since it last served (stalled). Of the latter it may hold its
+    share, and more while the stalled together hold at most half the pool: what
+    hung prefills are sent holds at most half, and a request over a share fits.
+    From the queues alone, so every attention-TP rank decides alike."""
 
     def __init__(self, held: Dict, stalled: Dict, served: Dict, tokens, slots):
         self.held, self.stalled, self.served = held, stalled, served
@@ -1696,6 +1694,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                     break
                 preallocated_reqs.append(decode_req)
                 indices_to_remove.add(i)
+                self._note_admitted(decode_req, shares)
                 if self.scheduler.enable_lora:
                     running_loras.add(decode_req.req.lora_id)
                 continue
@@ -2278,15 +2277,16 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         ended = [entry[0] for entry in transfer_queue._deferred_releases]
         for decode_reqs in (transfer_queue.queue, ended):
             for decode_req in decode_reqs:
-                if decode_req.host_staged or _is_fake_transfer(decode_req.req):
+                if _is_fake_transfer(decode_req.req):
                     continue
                 prefill = DecodeTransferQueue._prefill_of(decode_req)
                 # Ended, or sent it since it last served: it may never serve it.
                 since = decode_req.served_before == served.get(prefill, 0)
                 tables = (held, stalled) if since or decode_reqs is ended else (held,)
+                host = decode_req.host_staged  # a metadata slot and host pages
                 for table in tables:
                     entry = table.setdefault(prefill, [0, 0])
-                    entry[0] += self._share_tokens(decode_req.req)
+                    entry[0] += 0 if host else self._share_tokens(decode_req.req)
                     entry[1] += 1
         for prefill in served.keys() - held.keys():
             del served[prefill]  # prefills coming and going leave nothing behind
@@ -3415,8 +3415,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         return receiver.bootstrap_addr, receiver.prefill_dp_rank
 
     def _note_served(self, decode_req: DecodeRequest) -> None:
-        if _is_fake_transfer(decode_req.req):
+        if _is_fake_transfer(decode_req.req) or decode_req.served_before is None:
             return
+        decode_req.served_before = None  # once: on the host, it may wait for memory
         self._served = self._served or {}
         key = self._prefill_of(decode_req)
         self._served[key] = self._served.get(key, 0) + 1

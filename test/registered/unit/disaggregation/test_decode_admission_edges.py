@@ -16,7 +16,16 @@ from contextlib import ExitStack, nullcontext
 from types import SimpleNamespace
 from unittest import mock
 
-from decode_sim import Collectives, Prefill, Rank, World, patched, rooms, run_ranks
+from decode_sim import (
+    Collectives,
+    FakeReceiver,
+    Prefill,
+    Rank,
+    World,
+    patched,
+    rooms,
+    run_ranks,
+)
 
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.base import KVPoll
@@ -612,6 +621,96 @@ def as_in_0_5_23():
         mock.patch.object(DecodeTransferQueue, "_fence", lambda q, r: None)
     )
     return stack
+
+
+class TestHostReceive(SimTestCase):
+    """With host receive on (--disaggregation-decode-host-receive-threshold
+    below 1), a request's KV may come to the host pool and wait there for
+    device memory."""
+
+    def test_a_request_waiting_for_device_memory_is_served_once(self):
+        # Review 13 F1: its Success counted as a serve of its prefill in each
+        # cycle it waited, so the fence of that prefill's next request ended
+        # at the release deadline though the prefill hung and never acked.
+        rank = self.sim(
+            [Prefill(STUCK, 0.5, acks=False)],
+            tokens=8192,
+            slots=64,
+            waiting_timeout=30.0,
+            release_timeout=5.0,
+        )
+        first = rank.add(STUCK, next(rooms), 400)
+        self.run_for(DT)
+        # As _pre_alloc_host leaves it: its KV goes to the host pool.
+        first.host_staged = rank.transfer.enable_host_receive = True
+        rank.prealloc.allocate_host_staged = lambda decode_req: False
+        self.run_for(1)
+        self.world.prefills[STUCK].transfer_s = None  # hangs, for good
+        room = self.add(STUCK)
+        self.run_for(0.5)
+        rank.client_abort(room)
+        self.run_for(60)
+        self.assertEqual(rank.transfer._served, {(STUCK, 0): 1})
+        fenced = [e[0].req.bootstrap_room for e in rank.transfer._deferred_releases]
+        self.assertEqual(fenced, [room])
+
+
+    def test_a_hung_prefill_holds_at_most_half_the_metadata_slots(self):
+        # Review 13 F1: host-staged requests were left out of the shares, so a
+        # hung prefill took all 64 slots and the healthy one was served 31 of
+        # 118 requests (as in 0.5.23). This one is busy for 20 s first.
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5), Prefill(STUCK, 1.5, acks=False)],
+            tokens=8192,
+            slots=64,
+            waiting_timeout=300.0,
+        )
+        prealloc = rank.prealloc
+        disagg = SimpleNamespace(
+            disaggregation_decode_allocation_policy="early",
+            disaggregation_decode_host_receive_threshold=0.5,
+            disaggregation_decode_enable_radix_cache=False,
+            disaggregation_transfer_backend="mooncake",
+            disaggregation_decode_enable_offload_kvcache=False,
+        )
+        patcher = mock.patch.object(decode_mod, "get_disagg", lambda: disagg)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        # The device pool is busy decoding: every request's KV goes to host.
+        prealloc.scheduler.pool_stats_observer = SimpleNamespace(
+            get_pool_stats=lambda: SimpleNamespace(full_token_usage=0.9)
+        )
+        rank.transfer.enable_host_receive = True
+
+        def pre_alloc_host(decode_req):  # _pre_alloc_host, without a host pool
+            n = len(decode_req.req.origin_input_ids)
+            prealloc._send_kv_metadata(
+                decode_req, list(range(n)), 1, None, destination="HOST"
+            )
+            decode_req.host_staged = True
+            return True
+
+        prealloc._pre_alloc_host = pre_alloc_host
+        prealloc.allocate_host_staged = lambda decode_req: True
+        healthy, hung = {}, []
+
+        def every(t):
+            if t == 20:
+                self.world.prefills[STUCK].transfer_s = None  # hangs, for good
+            if abs(t - round(t)) < 1e-9:
+                for _ in range(2):
+                    room = self.add(STUCK)
+                    if t >= 20:
+                        hung.append(room)
+                healthy[self.add(HEALTHY)] = t
+
+        with mock.patch.object(FakeReceiver, "supports_host_destination", True):
+            self.run_for(120, every)
+        # What was sent it since it hung holds at most half the slots.
+        admitted = [r for r in hung if r in self.world.metadata_at]
+        self.assertLessEqual(len(admitted), 64 // 2)
+        due = [r for r, t in healthy.items() if t <= self.world.now - 2]
+        self.assertEqual([r for r in due if r not in rank.served], [])
 
 
 class TestShortPromptsOfAFrozenScheduler(SimTestCase):
