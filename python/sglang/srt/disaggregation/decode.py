@@ -1670,6 +1670,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
             if shares is None:  # once a cycle, and only if one may be admitted
                 shares = self._prefill_shares()
+                if getattr(self, "pp_rank", 0):  # later PP stages: pp_good_rids is
+                    shares.stalled = {}  # what the first admitted, held back there
                 self._stalls = {p: self._stalls.get(p, now) for p in shares.stalled}
             if shares.stalled and self._held_at_share(decode_req, shares, skipped, now):
                 continue

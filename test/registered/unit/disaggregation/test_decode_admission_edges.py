@@ -1097,6 +1097,26 @@ class TestDeferredReleaseOffAsksForTheAck(CustomTestCase):
         self.assertEqual(kv_mgr.abort_read_by(42), 0)
 
 
+class TestPipelineStages(SimTestCase):
+    """Requirement D with PP: a stage after the first is given only what the
+    one before it admitted (pp_good_rids), while its fences end by its own
+    ACKs and clock. Holding back one of those there would leave the stages'
+    transfer queues apart; it admits them as 0.5.23 does."""
+
+    def test_a_later_stage_admits_what_the_first_admitted(self):
+        rank = self.healthy_and_stuck()
+        for _ in range(14):
+            self.add(STUCK)
+        self.run_for(1)
+        held = [r.req.rid for r in rank.prealloc.queue]  # held at its share
+        self.assertGreater(len(held), 0)
+        rank.prealloc.pp_rank, rank.prealloc.pp_size = 1, 2
+        admitted, failed = rank.prealloc.pop_preallocated(
+            pp_good_rids=held, pp_bad_rids=[]
+        )
+        self.assertEqual(([r.req.rid for r in admitted], failed), (held, []))
+
+
 class TestNoNewCollective(SimTestCase):
     """Requirement F: no collective per cycle beyond 0.5.23's. 0.5.23's
     pop_preallocated exchanges only the receivers' polls."""

@@ -201,7 +201,9 @@ class TestPeerMetricsFiles(MetricsTestCase):
                     os.utime(path, (time.time() - 61,) * 2)  # not rewritten since
             sglangs = os.path.join(directory, f"counter_{os.getpid()}.db")
             others = os.path.join(directory, "counter_updater.db")
-            half_written = f"{metrics._paths['counter']}.tmp".replace("pd", "0pd")
+            # Another pid's file, killed mid-write (not a "pd" of the directory).
+            name = os.path.basename(metrics._paths["counter"]).replace("pd", "0pd")
+            half_written = os.path.join(directory, f"{name}.tmp")
             for path in (sglangs, others, half_written):
                 shutil.copy(metrics._paths["counter"], path)
                 os.utime(path, (time.time() - 3600,) * 2)

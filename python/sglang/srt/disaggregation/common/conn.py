@@ -78,12 +78,10 @@ logger = logging.getLogger(__name__)
 
 ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
-# requests' timeout=5 bounds a bootstrap query's connect and each read, not its
-# total: a query still running this long (a peer that trickles) is given up,
-# and counted as a failed attempt.
+# requests' timeout=5 bounds each read, not the total: a query running this long
+# (a peer that trickles) is given up, and counted as a failed attempt.
 BOOTSTRAP_QUERY_TIMEOUT_S = 10
-# Threads each prefill may hold for the decode's calls to it (_PrefillThreads),
-# besides the one of its heartbeat probes: PREFILL_THREADS + 1 in all.
+# Threads per prefill for the decode's calls to it, besides its heartbeat probe's.
 PREFILL_THREADS = 2
 # A heartbeat probe (timeout=(2, 3)) not answered this long is a miss.
 HEARTBEAT_PROBE_TIMEOUT_S = 5
