@@ -1670,8 +1670,6 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
             if shares is None:  # once a cycle, and only if one may be admitted
                 shares = self._prefill_shares()
-                if getattr(self, "pp_rank", 0):  # later PP stages: pp_good_rids is
-                    shares.stalled = {}  # what the first admitted, held back there
                 self._stalls = {p: self._stalls.get(p, now) for p in shares.stalled}
             if shares.stalled and self._held_at_share(decode_req, shares, skipped, now):
                 continue
@@ -2300,9 +2298,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     _stalls: Dict = {}  # prefill -> since when it is stalled (this rank's clock)
 
     def _held_at_share(self, decode_req, shares, skipped: Set, now: float) -> bool:
-        """Held back (its prefill stalled at its share): ends after the timeout."""
-        if _is_fake_transfer(decode_req.req):
-            return False  # the decode's own /health: it has no prefill
+        """Held back (its prefill stalled at its share): ends after the timeout.
+        Never on a later PP stage: it is given only what the first admitted."""
+        if _is_fake_transfer(decode_req.req) or getattr(self, "pp_rank", 0):
+            return False  # the decode's own /health has no prefill
         prefill = DecodeTransferQueue._prefill_of(decode_req)
         if prefill not in skipped and not shares.over(
             prefill, self._share_tokens(decode_req.req)

@@ -1100,21 +1100,53 @@ class TestDeferredReleaseOffAsksForTheAck(CustomTestCase):
 class TestPipelineStages(SimTestCase):
     """Requirement D with PP: a stage after the first is given only what the
     one before it admitted (pp_good_rids), while its fences end by its own
-    ACKs and clock. Holding back one of those there would leave the stages'
-    transfer queues apart; it admits them as 0.5.23 does."""
+    heartbeat, ACKs and clock. Holding back one of those there would leave it
+    in neither stage's prealloc consensus again: stuck on both for good."""
 
     def test_a_later_stage_admits_what_the_first_admitted(self):
-        rank = self.healthy_and_stuck()
-        for _ in range(14):
-            self.add(STUCK)
-        self.run_for(1)
-        held = [r.req.rid for r in rank.prealloc.queue]  # held at its share
-        self.assertGreater(len(held), 0)
-        rank.prealloc.pp_rank, rank.prealloc.pp_size = 1, 2
-        admitted, failed = rank.prealloc.pop_preallocated(
-            pp_good_rids=held, pp_bad_rids=[]
+        # Review 14 F1: two hung prefills' fences end on stage 0 a heartbeat
+        # round before stage 1; the healthy prefill's three requests then.
+        s1, s2 = "10.0.0.3:8998", "10.0.0.4:8998"
+        self.world = World(
+            [Prefill(HEALTHY, 0.5)]
+            + [Prefill(addr, None, acks=False) for addr in (s1, s2)]
         )
-        self.assertEqual(([r.req.rid for r in admitted], failed), (held, []))
+        collectives = Collectives(1)
+        stages = [
+            Rank(self.world, tokens=8192, slots=64, waiting_timeout=300.0)
+            for _ in range(2)
+        ]
+        stack = patched(collectives, [stages[0].clock], 300.0)
+        self.addCleanup(stack.close)
+
+        def add(addr, prompt):
+            room = next(rooms)
+            for stage in stages:
+                stage.add(addr, room, prompt)
+            return room
+
+        hung = [add(addr, 400) for addr in (s1, s2) * 3]
+        for t in range(int(42 / DT)):
+            self.world.now = round(self.world.now + DT, 6)
+            if t == 8:
+                for stage in stages:
+                    for room in hung:
+                        stage.client_abort(room)
+            for stage in stages:
+                run_ranks([stage], collectives, lambda rank: rank.cycle())
+        for addr in (s1, s2):  # stage 0's heartbeat declared them failed
+            stages[0].kv_manager.prefill_info_table.pop(addr)
+        for pp_rank, stage in enumerate(stages):
+            stage.transfer.resolve_deferred_releases()
+            stage.prealloc.pp_size, stage.prealloc.pp_rank = 2, pp_rank
+        rids = [f"r{add(HEALTHY, 1000)}" for _ in range(3)]
+        admitted = rids
+        for stage in stages:  # as scheduler_pp_mixin.process_prealloc_queue
+            good, failed = stage.prealloc.pop_preallocated(
+                pp_good_rids=admitted, pp_bad_rids=[]
+            )
+            admitted = [decode_req.req.rid for decode_req in good]
+            self.assertEqual((admitted, failed), (rids, []))
 
 
 class TestNoNewCollective(SimTestCase):

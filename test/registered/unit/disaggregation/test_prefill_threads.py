@@ -251,6 +251,28 @@ class TestHeartbeatProbesEveryPrefillAtOnce(CustomTestCase):
         self.assertEqual(set(calls.values()), {1})
         self.assertFalse(release.is_set())
 
+    def test_a_probe_thread_that_cannot_start_is_a_miss(self):
+        # Review 14 F4: at the thread limit (many hung prefills hold threads),
+        # a probe's future carries the start's RuntimeError; reading its
+        # result ended the heartbeat thread, and no prefill was failed again.
+        dead = self.addrs[0]
+        for addr in self.addrs[1:]:
+            del self.mgr.prefill_info_table[addr]
+        self.probes(lambda url, **kwargs: SimpleNamespace(status_code=503))
+        declared = threading.Event()
+        self.mgr._handle_node_failure = lambda addr: declared.set()
+        real_start = threading.Thread.start
+        failures = [RuntimeError("can't start new thread")]
+
+        def start(thread):
+            if thread.name.startswith("pd-prefill-") and failures:
+                raise failures.pop()
+            return real_start(thread)
+
+        with mock.patch.object(threading.Thread, "start", start):
+            self.run_heartbeat(declared)
+        self.assertEqual(failures, [])
+
     def test_a_dead_prefill_is_declared_as_soon_among_frozen_ones_as_alone(self):
         # P12b: a round waits for its probes up to HEARTBEAT_PROBE_TIMEOUT_S,
         # all of it when one prefill is frozen. If the next round then began a

@@ -2776,12 +2776,13 @@ class CommonKVManager(BaseKVManager):
                         break
                     if probe.done():
                         del probes[bootstrap_addr]
-                    if probe.done() and not probe.cancelled() and probe.result():
+                    ended = probe.done() and not probe.cancelled()
+                    if ended and not probe.exception() and probe.result():
                         self.heartbeat_failures[bootstrap_addr] = 0
                         self._on_heartbeat_success(bootstrap_addr)
                         continue
-                    # A probe still running is a miss; it stays, so that no
-                    # second one queues behind it.
+                    # A probe still running (it stays: none queues behind it), or
+                    # whose thread could not start (at the thread limit), misses.
                     logger.info(f"Attempting to reconnect to {bootstrap_addr}...")
                     self.heartbeat_failures[bootstrap_addr] = (
                         self.heartbeat_failures.get(bootstrap_addr, 0) + 1
