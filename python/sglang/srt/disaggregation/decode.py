@@ -390,7 +390,7 @@ class DecodeRequest:
     hicache_restore_status: HiCacheRestoreResult = HiCacheRestoreResult.PENDING
     # _PrefillShares: since when it is held, and its prefill's serves before it.
     held_since: Optional[float] = None
-    served_before: int = 0
+    served_before: Optional[int] = 0  # None once served
 
     @property
     def seqlen(self) -> int:
