@@ -368,6 +368,45 @@ class TestPriority(SimTestCase):
         )
         self.assertNotIn(first, self.world.metadata_at)
 
+    def test_a_held_request_is_not_passed_by_newcomers_of_higher_priority(self):
+        # Review 15 F1: the queue is re-sorted every cycle, so the newcomers
+        # of a healthy prefill came first, made it stalled again, and kept a
+        # low-priority request near half the pool held: 395 s, until the
+        # traffic stopped (0.5.23: admitted at once).
+        rank = self.sim(
+            [Prefill(HEALTHY, 1.0)],
+            tokens=16384,
+            slots=256,
+            waiting_timeout=300.0,
+            priority=True,
+        )
+        big = []
+
+        def every(t):
+            self.add(HEALTHY, prompt=100, priority=0)
+            if t == 5.0:
+                big.append(self.add(HEALTHY, prompt=8000, priority=10))
+
+        self.run_for(60, every)
+        self.assertLessEqual(rank.served.get(big[0], 60.0), 10.0)
+        self.assertEqual(rank.ended, {})
+
+    def test_held_requests_of_a_hung_prefill_end_by_the_waiting_timeout(self):
+        # Newcomers of higher priority wait behind the request held first;
+        # each still ends by its own timeout, naming the prefill.
+        rank = self.healthy_and_stuck(priority=True)
+        added = {}
+
+        def every(t):
+            if abs(t - round(t)) < 1e-9:
+                added[self.add(STUCK, priority=-int(t))] = t
+                self.add(HEALTHY, priority=-int(t))
+
+        self.run_for(150, every)
+        due = [room for room, t in added.items() if t < 150 - self.TIMEOUT - 1]
+        self.assertEqual([room for room in due if room not in rank.ended], [])
+        self.assertTrue(all(STUCK in rank.ended[room] for room in due[-10:]))
+
 
 class TestRanksAgree(SimTestCase):
     """Requirement D: every attention-TP rank admits exactly the same
