@@ -428,10 +428,9 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
 class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
     metadata slots until its KV arrives, in transfer or fenced, and of that what
-    it was sent since it last served (stalled). Of the latter it may hold its
-    share, and more while the stalled together hold at most half the pool: what
-    hung prefills are sent holds at most half, and a request over a share fits.
-    From the queues alone, so every attention-TP rank decides alike."""
+    it was sent since it last served (stalled): at most its share, or more while
+    the stalled hold at most half the pool (a request over a share fits). From
+    the queues alone, so every attention-TP rank decides alike."""
 
     def __init__(self, held: Dict, stalled: Dict, served: Dict, tokens, slots):
         self.held, self.stalled, self.served = held, stalled, served
@@ -1478,8 +1477,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             addr = _bootstrap_addr(decode_req.req)
             addr_to_reqs.setdefault(addr, []).append(decode_req)
 
-        # Pass 1: ensure parallel info for each addr; a cached one is a dict
-        # lookup, as in add().
+        # Pass 1: ensure parallel info per addr (a cached one: a dict lookup).
         ready_addrs: Dict[str, List[DecodeRequest]] = {}
         to_ensure: Dict[str, List[DecodeRequest]] = {}
         for bootstrap_addr, decode_reqs in addr_to_reqs.items():
@@ -2263,9 +2261,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         return need_space_for_single_req
 
     def _share_tokens(self, req: Req) -> int:
-        """What a request takes of the pool until its KV arrives: its prompt's
-        pages, and the decode headroom 0.5.23's memory check reserves for it
-        (with short prompts, most of it)."""
+        """What a request takes of the pool until its KV arrives: its prompt,
+        and the decode headroom 0.5.23's memory check reserves for it."""
         return len(req.origin_input_ids) + self.num_reserved_decode_tokens
 
     def _prefill_shares(self) -> _PrefillShares:
@@ -2323,9 +2320,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 f"Prefill {prefill[0]} (dp rank {prefill[1]}) has served none of "
                 f"the requests this decode sent it since it last served one, and "
                 f"they hold its share of this decode's KV ({shares.tokens} tokens): "
-                f"this request waited {timeout:.0f} s for it "
-                f"(SGLANG_DISAGGREGATION_WAITING_TIMEOUT) and ends so that it can "
-                f"be retried on another prefill.",
+                f"this request waited {timeout:.0f} s for it and ends, to be retried "
+                f"elsewhere (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).",
             )
         return True
 
@@ -2413,7 +2409,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
 
     def _unhold(self, decode_req: DecodeRequest) -> None:
         if decode_req.held_since is not None:  # held no longer: the reason goes
-            self.kv_manager.failure_records.pop(decode_req.req.bootstrap_room, None)
+            kv, room = self.kv_manager, decode_req.req.bootstrap_room
+            with kv.failure_lock:  # not another's, the heartbeat's say
+                if "has served none of the" in kv.failure_records.get(room, ""):
+                    del kv.failure_records[room]
             decode_req.held_since = None
 
     def _active_req_count(self, extra_reserved_reqs: int = 0) -> int:
@@ -2907,8 +2906,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
     """
 
     enable_host_receive: bool = False
-    # Made on first use: fences by request id (_may_still_write), and the
-    # transfers each prefill (address, dp rank) served to this decode.
+    # Made on first use: fences by request id, serves by (address, dp rank).
     _fences: Optional[Dict[int, list]] = None
     _served: Optional[Dict[Tuple[str, Any], int]] = None
 
@@ -3274,8 +3272,12 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                     self.enable_deferred_kv_release
                     and decode_req.kv_receiver.kv_mgr.enable_deferred_decode_kv_release
                 )
-                # With deferred release off too: the prefill may still write.
-                fenced = deferrable or not _is_fake_transfer(decode_req.req)
+                receiver = decode_req.kv_receiver
+                # With deferred release off too, unless its prefill failed.
+                fenced = deferrable or (
+                    not _is_fake_transfer(decode_req.req)
+                    and receiver.bootstrap_addr in receiver.kv_mgr.prefill_info_table
+                )
                 if fenced and not decode_req.kv_receiver.abort_notified:
                     # A failure decode did not initiate (prefill fault, transport
                     # error, hicache restore failure) can still have sibling-rank
@@ -3451,10 +3453,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
             return False
         info, served, resend_at = fence
         receiver = decode_req.kv_receiver
-        key = self._prefill_of(decode_req)
         if (
             receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr) is not info
-            or (self._served or {}).get(key, 0) != served
+            or (self._served or {}).get(self._prefill_of(decode_req), 0) != served
             or receiver.kv_mgr.abort_read_by(decode_req.req.bootstrap_room)
             >= len(receiver.bootstrap_infos)
         ):
@@ -3462,10 +3463,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         if resend_at is None:
             logger.warning(
                 f"Holding the KV of room {decode_req.req.bootstrap_room} past the "
-                f"deferred release timeout: prefill {receiver.bootstrap_addr} has "
-                f"not acknowledged its abort and may still write into it. It is "
-                f"released once that prefill acknowledges, serves another transfer "
-                f"to this decode, or is declared failed."
+                f"deferred release timeout: prefill {receiver.bootstrap_addr} may "
+                f"still write into it. It is released once that prefill acknowledges "
+                f"the abort, serves this decode again, or is declared failed."
             )
         if resend_at is None or now >= resend_at:
             # A prefill that missed the ABORT (hung, restarted) acks this one.

@@ -198,6 +198,7 @@ class FakeKVManager:
             addr: p.info for addr, p in self.world.prefills.items()
         }
         self.failure_records: Dict[int, str] = {}
+        self.failure_lock = threading.Lock()
         self.enable_deferred_decode_kv_release = deferred_release
         self.kv_args = SimpleNamespace(state_types=[])
         self.heartbeat_failures: Dict[str, int] = {}

@@ -499,6 +499,28 @@ class TestRanksAgree(SimTestCase):
                     self.assertIsNone(decode_req.held_since)
         self.assertGreater(len(admitted), 2)
 
+    def test_admitting_a_held_request_keeps_a_reason_the_hold_did_not_write(self):
+        # Review 15 F3: admitting a held request dropped whatever reason its
+        # room had: a heartbeat's "Lost connection", written in that cycle,
+        # became "Failed due to an unknown reason from another rank".
+        rank = self.healthy_and_stuck(waiting_timeout=300.0)
+        held = [self.add(STUCK) for _ in range(30)]
+        self.run_for(1)
+        records = rank.kv_manager.failure_records
+        lost = f"Lost connection with prefill instance {STUCK}"
+        for room in [r for r in held if r in records]:
+            records[room] = lost  # as the heartbeat writes it
+        self.world.prefills[STUCK].transfer_s = 1.0  # it answers again
+        admitted = {r.req.bootstrap_room for r in rank.transfer.queue}
+        for _ in range(20):
+            self.run_for(DT)
+            for decode_req in rank.transfer.queue:
+                room = decode_req.req.bootstrap_room
+                if room not in admitted:
+                    admitted.add(room)
+                    self.assertEqual(records.get(room), lost, room)
+        self.assertGreater(len(admitted & {r for r in held if r in records}), 2)
+
 
 class TestSlowButHealthy(SimTestCase):
     """Requirement A: a healthy prefill is never failed earlier than 0.5.23
@@ -632,6 +654,21 @@ class TestFencedWhileItMayWrite(SimTestCase):
         self.assertEqual(self.held_after(rank, lambda room: None, 60), 400)
         del rank.kv_manager.prefill_info_table[STUCK]
         self.run_for(1)
+        self.assertEqual(rank.held_by(STUCK), 0)
+
+    def test_deferred_release_off_a_prefill_declared_failed_frees_at_once(self):
+        # Review 15 F2: with deferred release off, 0.5.23 frees a failed
+        # transfer's pages at once; once its prefill is declared failed it
+        # writes no more, yet they were held to the release deadline.
+        rank = self.setup_sim(deferred_release=False)
+        room = self.add(STUCK)
+        self.run_for(1)
+        self.assertEqual(rank.held_by(STUCK), 400)
+        del rank.kv_manager.prefill_info_table[STUCK]  # as the heartbeat does
+        rank.kv_manager.record_failure(room, f"Lost connection with {STUCK}")
+        next(r for r in rank.transfer.queue).kv_receiver.conclude_state = KVPoll.Failed
+        self.run_for(DT)
+        self.assertIn(room, rank.ended)
         self.assertEqual(rank.held_by(STUCK), 0)
 
     def test_a_healthy_prefill_that_acknowledges_is_released_at_once(self):
