@@ -331,6 +331,38 @@ class TestNixlTransferWorker(CustomTestCase):
             [r.getMessage() for r in logs.records],
         )
 
+    def test_a_decode_that_given_up_writes_may_still_reach_gets_no_room(self):
+        # Review 14 F2: once the stuck mark expired, the decode's next room was
+        # served while the given-up batch still ran; the decode ends the
+        # given-up room's fence on that serve, and reused pages it may write.
+        clock = _Clock(step=0.5)
+        mgr = _nixl_prefill(clock)
+        mgr.durations["decode-a"] = None
+        given_up = []
+
+        def moves_again():
+            given_up.extend(mgr.agent.ends)
+            mgr.durations["decode-a"] = 1.0
+            clock.now += nixl_mod.NIXL_NO_PROGRESS_TIMEOUT_S  # the mark expired
+
+        def transfers_end():
+            for handle in given_up:
+                mgr.agent.ends[handle] = clock.now
+
+        self.run_worker(
+            mgr,
+            clock,
+            _nixl_room(mgr, 1, "decode-a"),
+            moves_again,
+            _nixl_room(mgr, 2, "decode-a"),
+            transfers_end,
+            _nixl_room(mgr, 3, "decode-a"),
+        )
+        self.assertEqual(mgr.statuses, [(2, KVPoll.Failed), (3, KVPoll.Success)])
+        self.assertIn("still writing", mgr.failure_records[2])
+        self.assertLessEqual(set(given_up), set(mgr.agent.released))
+        self.assertEqual(mgr._kept_writes, ())
+
     def test_what_is_still_running_when_the_worker_stops_is_reported(self):
         clock = _Clock(step=0.5)
         mgr = _nixl_prefill(clock)

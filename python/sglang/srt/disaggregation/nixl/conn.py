@@ -598,6 +598,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
     # Decode agent -> when a batch to it was given up without progress (see
     # NIXL_NO_PROGRESS_TIMEOUT_S); made on first use.
     _stuck_decodes: Optional[Dict[str, float]] = None
+    # (decode agents, handles) of batches given up that NIXL could not abort.
+    _kept_writes: Tuple[Tuple[frozenset, List[Any]], ...] = ()
     # Bytes of a KV page over all layers; CommonKVManager.__init__ sets it.
     kv_item_lens_sum: int = 0
     # Newer NIXL prepares compressed (addr, len, dev_id, stride, count) runs
@@ -1207,9 +1209,31 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             if now - since >= NIXL_NO_PROGRESS_TIMEOUT_S:
                 stuck.pop(agent_name, None)
 
+    def _writes_left(self, agent_names=None) -> int:
+        """Handles of given-up batches (to these decodes) still running; those
+        that ended since are released here, by whichever worker looks first."""
+        if not self._kept_writes:
+            return 0
+        with vars(self).setdefault("_kept_lock", threading.Lock()):
+            kept = [(a, self._release_handles(h)) for a, h in self._kept_writes]
+            self._kept_writes = tuple((a, h) for a, h in kept if h)
+            return sum(
+                len(h)
+                for a, h in self._kept_writes
+                if agent_names is None or not a.isdisjoint(agent_names)
+            )
+
     def _stuck_decode(self, transfer_infos) -> Optional[str]:
         """Why a room to these decodes fails at once: one left a batch
-        without progress within the last NIXL_NO_PROGRESS_TIMEOUT_S."""
+        without progress within the last NIXL_NO_PROGRESS_TIMEOUT_S, or a
+        batch given up to it still writes (served now, the decode would take
+        the given-up room's pages for free: its fence ends on a later serve)."""
+        if self._writes_left(transfer_infos):
+            return (
+                f"a KV transfer to decode {sorted(transfer_infos)} that this "
+                f"prefill gave up is still writing into it, and its rooms fail at "
+                f"once until that ends. Check that decode instance."
+            )
         for agent_name in transfer_infos if self._stuck_decodes else ():
             since = self._stuck_decodes.get(agent_name)
             if since is not None:
@@ -1747,17 +1771,15 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         # see kv_buffer_tensors (set by ModelRunner after engine init).
         # Never cache on self -- multiple workers would race the ring.
         staging_strategy = None
-        # Handles of batches given up while NIXL could not abort them.
-        unreleased: List[Any] = []
 
         while True:
             kv_chunk: TransferKVChunk = queue.get()
-            if unreleased:
-                unreleased = self._release_handles(unreleased)
+            unreleased = self._writes_left()  # releases those that ended
             if kv_chunk is None:
                 if unreleased:
+                    self._kept_writes = ()  # reported by the first worker to stop
                     logger.warning(
-                        f"NIXL transfer worker stopped and left {len(unreleased)} "
+                        f"NIXL transfer worker stopped and left {unreleased} "
                         f"transfer handles it gave up, still in progress, unreleased."
                     )
                 break  # teardown
@@ -2128,14 +2150,17 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
                         self._maybe_ack_drained_abort(room)
                 else:
                     # Abort what NIXL can; the rest is released once it ends,
-                    # on this worker's next chunk, and never waited for.
+                    # never waited for, and its decode gets no room until then.
                     kept = self._release_handles(handles)
                     if kept:
                         logger.warning(
                             f"NIXL could not abort {len(kept)} transfers of room "
-                            f"{room}; this worker releases them once they end."
+                            f"{room}; they are released once they end, and their "
+                            f"decode's rooms fail at once until then."
                         )
-                    unreleased += kept
+                        with vars(self).setdefault("_kept_lock", threading.Lock()):
+                            agents = frozenset(room_transfer_infos or ())
+                            self._kept_writes = (*self._kept_writes, (agents, kept))
                     # A handle can still write into the decode's KV pages, so
                     # leave the room to the decode's waiting timeout rather
                     # than telling it those pages are free.
