@@ -294,7 +294,7 @@ class DecodeSide:
         from sglang.srt.mem_cache.common import kv_to_page_indices
 
         queue = self.queue
-        shares, now = None, time.monotonic()
+        shares, skipped, now = None, set(), time.monotonic()
         patched = hasattr(queue, "_prefill_shares")
         if patched:
             queue.transfer_queue.queue = [t.decode_req for t in self.transferring]
@@ -312,13 +312,12 @@ class DecodeSide:
                 continue
             if patched and shares is None:  # once, if one may be admitted
                 shares = queue._prefill_shares()
-                # As pop_preallocated: stalled since when, and heads still queued.
+                # As pop_preallocated: stalled since when, and the last passes.
                 queue._stalls = {p: queue._stalls.get(p, now) for p in shares.stalled}
-                queued = {id(r) for r in queue.queue}
-                queue._heads = {
-                    p: r for p, r in queue._heads.items() if id(r) in queued
+                queue._passed = {
+                    p: n for p, n in queue._passed.items() if p in shares.stalled
                 }
-            if patched and queue._held_at_share(decode_req, shares, now):
+            if patched and queue._held_at_share(decode_req, shares, skipped, now):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)
             if kv_indices is None or self.metadata_allocator.available_size() <= 0:

@@ -29,7 +29,7 @@ from collections import Counter, defaultdict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -1388,8 +1388,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             return {}
         rooms, future = query
         if not future.done():
-            # Its rooms were asked at once; a request that ended since (an
-            # abort) took its room's time along, and with none left it is stale.
+            # A request that ended since took its room's time along: none left, stale.
             times = self._ensure_last_attempt_time
             asked_at = max(times.get((bootstrap_addr, r), float("-inf")) for r in rooms)
             if now - asked_at < BOOTSTRAP_QUERY_TIMEOUT_S:
@@ -1648,7 +1647,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             running_loras.update(r.req.lora_id for r in self.transfer_queue.queue)
             running_loras.update(req.lora_id for req in self.scheduler.waiting_queue)
 
-        shares, now = None, time.monotonic()
+        shares, skipped, now = None, set(), time.monotonic()  # skipped: held back
 
         # Then, preallocate the remaining requests if possible
         for i, decode_req in enumerate(self.queue):
@@ -1664,10 +1663,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if shares is None:  # once a cycle, and only if one may be admitted
                 shares = self._prefill_shares()
                 self._stalls = {p: self._stalls.get(p, now) for p in shares.stalled}
-                queued = {id(r) for r in self.queue} if self._heads else ()
-                self._heads = {p: r for p, r in self._heads.items() if id(r) in queued}
-            held = shares.stalled or self._heads  # else nothing is held back
-            if held and self._held_at_share(decode_req, shares, now):
+                self._passed = {
+                    p: n for p, n in self._passed.items() if p in shares.stalled
+                }
+            if shares.stalled and self._held_at_share(decode_req, shares, skipped, now):
                 continue
 
             if self.req_to_metadata_buffer_idx_allocator.available_size() <= 0:
@@ -2291,22 +2290,29 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         return _PrefillShares(held, stalled, served, self.max_total_num_tokens, slots)
 
     _stalls: Dict = {}  # prefill -> since when it is stalled (this rank's clock)
-    _heads: Dict = {}  # prefill -> its request held first, while queued
+    _passed: Dict = {}  # prefill -> its serves when a held request last passed
 
-    def _held_at_share(self, decode_req, shares, now: float) -> bool:
-        """Held back (its prefill stalled at its share): ends after the timeout.
-        The rest of its prefill's requests, of any priority, wait behind the
-        first held. Never on a later PP stage: it gets what the first admitted."""
+    def _held_at_share(self, decode_req, shares, skipped: Set, now: float) -> bool:
+        """Held back (its prefill stalled at its share): ends after the timeout,
+        or passes once its prefill served since (not hung), one a serve. Never
+        on a later PP stage: it is given only what the first admitted."""
         if _is_fake_transfer(decode_req.req) or getattr(self, "pp_rank", 0):
             return False  # the decode's own /health has no prefill
         prefill = DecodeTransferQueue._prefill_of(decode_req)
-        head = self._heads.setdefault(prefill, decode_req)
-        if head is decode_req and not shares.over(
-            prefill, self._share_tokens(decode_req.req)
+        served = shares.served.get(prefill, 0)
+        passes = decode_req.held_since is not None and (
+            decode_req.served_before != served != self._passed.get(prefill)
+        )
+        if prefill not in skipped and (
+            passes or not shares.over(prefill, self._share_tokens(decode_req.req))
         ):
-            del self._heads[prefill]
+            if passes:  # newcomers of higher priority cannot keep it held
+                self._passed[prefill] = served
             self._unhold(decode_req)
             return False
+        skipped.add(prefill)
+        if decode_req.held_since is None:
+            decode_req.served_before = served  # its prefill's serves when held
         first, timeout = decode_req.held_since is None, self.kv_manager.waiting_timeout
         stalled = self._stalls.get(prefill, now)  # not a wait for memory before
         decode_req.held_since = max(decode_req.held_since or now, stalled)

@@ -391,6 +391,34 @@ class TestPriority(SimTestCase):
         self.assertLessEqual(rank.served.get(big[0], 60.0), 10.0)
         self.assertEqual(rank.ended, {})
 
+    def test_newcomers_of_higher_priority_do_not_wait_for_a_held_one(self):
+        # Review 16 F2: while the held request kept its place in its prefill,
+        # newcomers of higher priority waited behind it for its prefill's next
+        # serve: up to 18.75 s with 20 s transfers and the pool three-quarters
+        # free (0.5.23: admitted at once).
+        rank = self.sim(
+            [Prefill(HEALTHY, 20.0)],
+            tokens=16384,
+            slots=256,
+            waiting_timeout=300.0,
+            priority=True,
+        )
+        for _ in range(10):
+            self.add(HEALTHY, prompt=400, priority=5)
+        self.run_for(1)
+        big = self.add(HEALTHY, prompt=4000, priority=10)
+        urgent = {}
+
+        def every(t):
+            if abs(t - round(t)) < 1e-9 and t <= 30:
+                urgent[self.add(HEALTHY, prompt=100, priority=0)] = t
+
+        self.run_for(45, every)
+        waits = [self.world.metadata_at[room] - t for room, t in urgent.items()]
+        self.assertLessEqual(max(waits), DT)
+        # It goes once its prefill served since it was held: not hung.
+        self.assertLessEqual(self.world.metadata_at[big], 21.25)
+
     def test_held_requests_of_a_hung_prefill_end_by_the_waiting_timeout(self):
         # Newcomers of higher priority wait behind the request held first;
         # each still ends by its own timeout, naming the prefill.

@@ -774,8 +774,7 @@ class CommonKVManager(BaseKVManager):
     reports_transfer_latency: bool = False
     # Set by teardown() to stop the worker threads, decode listener included.
     _stopped: bool = False
-    # Bad decode control messages (see handle_decode_message): how many, and
-    # when one was last logged, at most once per interval.
+    # Bad decode control messages: how many, and when one was last logged.
     BAD_DECODE_MSG_LOG_INTERVAL_S = 30.0
     _bad_decode_msgs: int = 0
     _bad_decode_msg_logged_at: float = float("-inf")
@@ -1527,8 +1526,7 @@ class CommonKVManager(BaseKVManager):
     def _report_bad_decode_message(
         self, what: str, msg: List[bytes], exc_info: bool = False
     ) -> None:
-        # Tag and size only: a payload can be large (aux data) and a peer that
-        # keeps sending bad messages must not flood the log.
+        # Tag and size only: payloads can be large; a bad peer must not flood logs.
         self._bad_decode_msgs += 1
         now = time.monotonic()
         if now - self._bad_decode_msg_logged_at < self.BAD_DECODE_MSG_LOG_INTERVAL_S:
@@ -1910,8 +1908,7 @@ class CommonKVManager(BaseKVManager):
             self._parallel_info_inflight.discard(bootstrap_addr)
 
     def parallel_info_fetch_in_flight(self, bootstrap_addr: str) -> bool:
-        # Unlocked: a stale answer costs a skipped cycle, or one extra call
-        # that try_ensure_parallel_info's locked re-check rejects.
+        # Unlocked: a stale answer costs a cycle, or a call the locked re-check rejects.
         return bootstrap_addr in self._parallel_info_inflight
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -2076,8 +2073,7 @@ class CommonKVManager(BaseKVManager):
                 self._check_parallel_info(info)
                 self._resolve_rank_mapping(info)
         except Exception as e:
-            # Inline, this raised on the scheduler thread and stopped the
-            # engine; keep it fatal there (see raise_parallel_info_error).
+            # Fatal on the scheduler thread, as inline (raise_parallel_info_error).
             logger.error(
                 f"Prefill server [{bootstrap_addr}] is incompatible with this "
                 f"decode server: {e}"
@@ -2086,8 +2082,7 @@ class CommonKVManager(BaseKVManager):
             info = None
         finally:
             with self.connection_lock:
-                # Not if given up (abandon_parallel_info_fetch), or if the
-                # heartbeat failed a prefill meanwhile: it may be stale.
+                # Not if given up, or if the heartbeat failed it meanwhile: stale.
                 if (
                     info is not None
                     and bootstrap_addr in self._parallel_info_inflight
@@ -2847,8 +2842,7 @@ class CommonKVManager(BaseKVManager):
             for k in keys_to_remove:
                 del self.connection_pool[k]
             self.prefill_info_table.pop(failed_bootstrap_addr, None)
-            # A fetch still running for it publishes nothing: what it got may
-            # predate the failure. The next request fetches again.
+            # A fetch still running for it publishes nothing (it may predate this).
             self._parallel_info_inflight.discard(failed_bootstrap_addr)
             getattr(self, "_losses", defaultdict(int))[failed_bootstrap_addr] += 1
             # A prefill that a later request reaches again starts with no
@@ -3342,8 +3336,7 @@ class CommonKVReceiver(BaseKVReceiver):
 
         self.prefill_dp_rank = prefill_dp_rank
         if not self._bootstrap_infos_cached():
-            # A connection_pool miss asks the prefill's bootstrap server for
-            # each target rank: not on the scheduler thread.
+            # A connection_pool miss asks the prefill for each rank: off this thread.
             self._route_setup = self.kv_mgr.setup_bootstrap_routes(self)
             self._route_setup_at = self._route_queued_at = time.monotonic()
             return
@@ -3805,8 +3798,7 @@ class CommonKVReceiver(BaseKVReceiver):
         self.kv_mgr.addr_to_rooms_tracker[self.bootstrap_addr].discard(
             self.bootstrap_room
         )
-        # A failure recorded for this room and never read by failure_exception()
-        # (an aborted request) goes with the room.
+        # A failure recorded for this room and never read (an abort) goes with it.
         with self.kv_mgr.failure_lock:
             self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
         if self.kv_mgr.defer_decode_allocation:
