@@ -368,18 +368,22 @@ class TestPriority(SimTestCase):
         )
         self.assertNotIn(first, self.world.metadata_at)
 
-    def test_a_held_request_is_not_passed_by_newcomers_of_higher_priority(self):
-        # Review 15 F1: the queue is re-sorted every cycle, so the newcomers
-        # of a healthy prefill came first, made it stalled again, and kept a
-        # low-priority request near half the pool held: 395 s, until the
-        # traffic stopped (0.5.23: admitted at once).
-        rank = self.sim(
-            [Prefill(HEALTHY, 1.0)],
+    def one_healthy_prefill(self, transfer_s):
+        """Priority scheduling, one healthy prefill, a pool of 16,384 tokens."""
+        return self.sim(
+            [Prefill(HEALTHY, transfer_s)],
             tokens=16384,
             slots=256,
             waiting_timeout=300.0,
             priority=True,
         )
+
+    def test_a_held_request_is_not_passed_by_newcomers_of_higher_priority(self):
+        # Review 15 F1: the queue is re-sorted every cycle, so the newcomers
+        # of a healthy prefill came first, made it stalled again, and kept a
+        # low-priority request near half the pool held: 395 s, until the
+        # traffic stopped (0.5.23: admitted at once).
+        rank = self.one_healthy_prefill(1.0)
         big = []
 
         def every(t):
@@ -396,13 +400,7 @@ class TestPriority(SimTestCase):
         # newcomers of higher priority waited behind it for its prefill's next
         # serve: up to 18.75 s with 20 s transfers and the pool three-quarters
         # free (0.5.23: admitted at once).
-        rank = self.sim(
-            [Prefill(HEALTHY, 20.0)],
-            tokens=16384,
-            slots=256,
-            waiting_timeout=300.0,
-            priority=True,
-        )
+        rank = self.one_healthy_prefill(20.0)
         for _ in range(10):
             self.add(HEALTHY, prompt=400, priority=5)
         self.run_for(1)
