@@ -439,14 +439,16 @@ class _PrefillShares:
         self.tokens, self.slots = tokens // parts, slots // parts
         self.half = (tokens // 2, slots // 2)
         self.stalled_held = [sum(h[i] for h in stalled.values()) for i in range(2)]
+        self.at_start = tuple(self.stalled_held)  # before this cycle's admissions
 
-    def over(self, prefill, tokens: int) -> bool:
+    def over(self, prefill, tokens: int, passes: bool = False) -> bool:
         held = self.stalled.get(prefill)
         if held is None or (held[0] + tokens <= self.tokens and held[1] < self.slots):
             return False
-        # Over it only within the stalled half: hung, what it gets stays.
-        tokens, slots = self.stalled_held[0] + tokens, self.stalled_held[1] + 1
-        return tokens > self.half[0] or slots > self.half[1]
+        # Over it only within the stalled half: hung, what it gets stays. A pass
+        # is judged without the cycle's newcomers, which would keep it held.
+        stalled = self.at_start if passes else self.stalled_held
+        return stalled[0] + tokens > self.half[0] or stalled[1] + 1 > self.half[1]
 
     def hold(self, prefill, tokens: int) -> None:
         for entry in (self.stalled.setdefault(prefill, [0, 0]), self.stalled_held):
@@ -2260,9 +2262,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         return need_space_for_single_req
 
     def _share_tokens(self, req: Req) -> int:
-        """What a request takes of the pool until its KV arrives: its prompt,
-        and the decode headroom 0.5.23's memory check reserves for it."""
-        return len(req.origin_input_ids) + self.num_reserved_decode_tokens
+        """What a request takes of the pool until its KV arrives: its prompt (and
+        output, rebootstrapped), and the headroom 0.5.23 reserves for it."""
+        return self._rebootstrap_prefill_len(req) + self.num_reserved_decode_tokens
 
     def _prefill_shares(self) -> _PrefillShares:
         transfer_queue = self.transfer_queue
@@ -2303,10 +2305,9 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         passes = decode_req.held_since is not None and (
             decode_req.served_before != served != self._passed.get(prefill)
         )
-        if prefill not in skipped and (
-            passes or not shares.over(prefill, self._share_tokens(decode_req.req))
-        ):
-            if passes:  # newcomers of higher priority cannot keep it held
+        tokens = self._share_tokens(decode_req.req)
+        if prefill not in skipped and not shares.over(prefill, tokens, passes):
+            if passes:  # a pass lifts the share, not the stalled half
                 self._passed[prefill] = served
             self._unhold(decode_req)
             return False
@@ -2363,8 +2364,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             if not _is_fake_transfer(decode_req.req):
                 row = rows[_bootstrap_addr(decode_req.req)]
                 row["waiting_reqs"] += 1
-                # Admission held it back, and still would (one waiting for
-                # memory keeps held_since once its prefill serves again).
+                # Admission held it back, and its prefill is still stalled.
                 if decode_req.held_since is not None and (
                     DecodeTransferQueue._prefill_of(decode_req) in shares.stalled
                 ):

@@ -379,7 +379,7 @@ class Rank:
 
     # -- what 0.5.23's memory code does, counted in tokens ------------------
     def _pre_alloc(self, req, prefix_indices=None, prefix_len=0, total=0):
-        need = len(req.origin_input_ids)
+        need = DecodePreallocQueue._rebootstrap_prefill_len(req)  # with output
         assert self.allocator.free_tokens >= need, "admitted past the pool"
         self.allocator.free_tokens -= need
         req.kv.req_pool_idx = 0

@@ -417,6 +417,31 @@ class TestPriority(SimTestCase):
         # It goes once its prefill served since it was held: not hung.
         self.assertLessEqual(self.world.metadata_at[big], 21.25)
 
+    def test_a_pass_keeps_the_stalled_half(self):
+        # Review 17 F1: a held request that went because its prefill served
+        # skipped the stalled half too: one larger than half the pool went to
+        # a prefill that then hung, and the healthy prefill's 7,000-token
+        # requests were served 0 of 90 (0.5.23: 89).
+        rank = self.healthy_and_stuck(tokens=16384, slots=256, priority=True)
+        stuck = self.world.prefills[STUCK]
+        stuck.transfer_s = 2.0
+        big = []
+
+        def every(t):
+            self.add(STUCK, prompt=100, priority=0)
+            if t == 1.0:
+                big.append(self.add(STUCK, prompt=9000, priority=10))
+            if t == 2.5:
+                stuck.transfer_s = None  # it hangs, for good
+            if abs(t / 10 - round(t / 10)) < 1e-9:
+                self.add(HEALTHY, prompt=7000, priority=5)
+
+        self.run_for(100, every)
+        self.assertNotIn(big[0], self.world.metadata_at)
+        self.assertLessEqual(rank.held_by(STUCK), 16384 // 2)
+        healthy = [r for r, a in rank.room_prefill.items() if a == HEALTHY]
+        self.assertGreaterEqual(len([r for r in healthy if r in rank.served]), 8)
+
     def test_held_requests_of_a_hung_prefill_end_by_the_waiting_timeout(self):
         # Newcomers of higher priority wait behind the request held first;
         # each still ends by its own timeout, naming the prefill.
@@ -836,6 +861,24 @@ class TestShortPromptsOfAFrozenScheduler(SimTestCase):
         self.assertEqual([r for r in sent if r not in rank.served], [])
         latency = [rank.served[room] - t for room, t in sent.items()]
         self.assertLessEqual(max(latency), 2.0)
+
+
+class TestRebootstrappedRequests(SimTestCase):
+    def test_one_with_its_output_counts_it_in_its_prefills_share(self):
+        # Review 17 F6: a rebootstrapped request takes its prompt and the output
+        # so far, but counted its prompt only: a stuck prefill sent requests
+        # that generated long held twice its share, and more.
+        rank = self.healthy_and_stuck()
+
+        def every(t):
+            if abs(t - round(t)) < 1e-9:
+                decode_req = rank.add(STUCK, next(rooms), 400)
+                decode_req.req.output_ids = [0] * 2000
+                decode_req.req.pd_rebootstrap_in_progress = True
+                rank.room_prefill[decode_req.req.bootstrap_room] = STUCK
+
+        self.run_for(60, every)
+        self.assertLessEqual(rank.held_by(STUCK), self.TOKENS // 2 + 2464)
 
 
 class TestStuckWhileOthersAreBusy(SimTestCase):
