@@ -1774,8 +1774,9 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
 
         while True:
             kv_chunk: TransferKVChunk = queue.get()
-            unreleased = self._writes_left()  # releases those that ended
             if kv_chunk is None:
+                # Those that ended are released by _stuck_decode, room by room.
+                unreleased = self._writes_left()
                 if unreleased:
                     self._kept_writes = ()  # reported by the first worker to stop
                     logger.warning(
