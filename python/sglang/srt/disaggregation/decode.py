@@ -427,10 +427,9 @@ def _note_failed(decode_req: DecodeRequest, stage: str, reason: str) -> None:
 
 class _PrefillShares:
     """What each prefill (address, dp rank) holds of the decode's KV tokens and
-    metadata slots until its KV arrives, in transfer or fenced, and of that what
-    it was sent since it last served (stalled): at most its share, or more while
-    the stalled hold at most half the pool (a request over a share fits). From
-    the queues alone, so every attention-TP rank decides alike."""
+    metadata slots until its KV arrives (in transfer or fenced), and what it was
+    sent since it last served (stalled): at most its share, or more within half
+    the pool. From the queues alone: every attention-TP rank decides alike."""
 
     def __init__(self, held: Dict, stalled: Dict, served: Dict, tokens, slots):
         self.held, self.stalled, self.served = held, stalled, served
@@ -439,19 +438,21 @@ class _PrefillShares:
         self.tokens, self.slots = tokens // parts, slots // parts
         self.half = (tokens // 2, slots // 2)
         self.stalled_held = [sum(h[i] for h in stalled.values()) for i in range(2)]
-        self.at_start = tuple(self.stalled_held)  # before this cycle's admissions
+        self.added = {}  # prefill -> what it was admitted this cycle
 
     def over(self, prefill, tokens: int, passes: bool = False) -> bool:
         held = self.stalled.get(prefill)
         if held is None or (held[0] + tokens <= self.tokens and held[1] < self.slots):
             return False
         # Over it only within the stalled half: hung, what it gets stays. A pass
-        # is judged without the cycle's newcomers, which would keep it held.
-        stalled = self.at_start if passes else self.stalled_held
+        # is judged without its prefill's newcomers, which would keep it held.
+        new = self.added.get(prefill, (0, 0)) if passes else (0, 0)
+        stalled = [s - n for s, n in zip(self.stalled_held, new)]
         return stalled[0] + tokens > self.half[0] or stalled[1] + 1 > self.half[1]
 
     def hold(self, prefill, tokens: int) -> None:
-        for entry in (self.stalled.setdefault(prefill, [0, 0]), self.stalled_held):
+        stalled, added = self.stalled.setdefault(prefill, [0, 0]), self.added
+        for entry in (stalled, self.stalled_held, added.setdefault(prefill, [0, 0])):
             entry[:] = entry[0] + tokens, entry[1] + 1
 
 
@@ -2295,9 +2296,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     _passed: Dict = {}  # prefill -> its serves when a held request last passed
 
     def _held_at_share(self, decode_req, shares, skipped: Set, now: float) -> bool:
-        """Held back (its prefill stalled at its share): ends after the timeout,
-        or passes once its prefill served since (not hung), one a serve. Never
-        on a later PP stage: it is given only what the first admitted."""
+        """Held back at its stalled prefill's share to the timeout, or passed once
+        it served since, one a serve; not on PP stages > 0 (given the first's)."""
         if _is_fake_transfer(decode_req.req) or getattr(self, "pp_rank", 0):
             return False  # the decode's own /health has no prefill
         prefill = DecodeTransferQueue._prefill_of(decode_req)
@@ -2307,7 +2307,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         )
         tokens = self._share_tokens(decode_req.req)
         if prefill not in skipped and not shares.over(prefill, tokens, passes):
-            if passes:  # a pass lifts the share, not the stalled half
+            if passes and shares.over(prefill, tokens):  # the pass it needed
                 self._passed[prefill] = served
             self._unhold(decode_req)
             return False

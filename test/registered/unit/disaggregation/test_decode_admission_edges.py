@@ -442,6 +442,32 @@ class TestPriority(SimTestCase):
         healthy = [r for r, a in rank.room_prefill.items() if a == HEALTHY]
         self.assertGreaterEqual(len([r for r in healthy if r in rank.served]), 8)
 
+    def test_two_prefills_that_serve_then_hang_in_one_cycle_keep_the_half(self):
+        # Review 18 F1: the held request of each of two prefills passed in the
+        # same cycle, each judged without the other: the two hung prefills
+        # held 13,200 of 16,384 for good (half: 8,192).
+        hung = ["10.0.0.2:8998", "10.0.0.3:8998"]
+        rank = self.sim(
+            [Prefill(HEALTHY, 0.5)] + [Prefill(a, 2.0, acks=False) for a in hung],
+            tokens=16384,
+            slots=256,
+            waiting_timeout=300.0,
+            priority=True,
+        )
+
+        def every(t):
+            self.add(HEALTHY, prompt=100, priority=0)
+            for addr in hung:
+                if t <= 1.0 or t == 2.5:
+                    self.add(addr, prompt=300, priority=0)
+                if t == 1.0:
+                    self.add(addr, prompt=5400, priority=10)
+                if t == 2.5:
+                    self.world.prefills[addr].transfer_s = None  # hung, for good
+
+        self.run_for(60, every)
+        self.assertLessEqual(sum(rank.held_by(a) for a in hung), 16384 // 2)
+
     def test_held_requests_of_a_hung_prefill_end_by_the_waiting_timeout(self):
         # Newcomers of higher priority wait behind the request held first;
         # each still ends by its own timeout, naming the prefill.
