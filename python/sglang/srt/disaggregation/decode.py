@@ -431,8 +431,8 @@ class _PrefillShares:
     sent since it last served (stalled): at most its share, or more within half
     the pool. From the queues alone: every attention-TP rank decides alike."""
 
-    def __init__(self, held: Dict, stalled: Dict, served: Dict, tokens, slots):
-        self.held, self.stalled, self.served = held, stalled, served
+    def __init__(self, held, stalled, served, busy: Set, tokens: int, slots: int):
+        self.held, self.stalled, self.served, self.busy = held, stalled, served, busy
         # The stalled share half the pool: the healthy keep the other half.
         parts = max(2, len(held), 2 * len(stalled))
         self.tokens, self.slots = tokens // parts, slots // parts
@@ -1264,11 +1264,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self, addr_to_reqs: Dict[str, List[DecodeRequest]]
     ) -> Tuple[Dict[str, List[DecodeRequest]], List[DecodeRequest]]:
         """Non-blocking ensure parallel info for each addr.
-        Returns (ready_addrs, remaining_reqs).
-
-        try_ensure_parallel_info() fetches in the background, so an attempt can
-        outlive a cycle: the budget counts fetch attempts, and a cycle that
-        only waits on one spends nothing."""
+        Returns (ready_addrs, remaining_reqs)."""
+        # Fetches run in the background: the budget counts attempts, not cycles.
         # A config mismatch found on the fetch thread is fatal: not a retry.
         self.kv_manager.raise_parallel_info_error()
         ready: Dict[str, List[DecodeRequest]] = {}
@@ -1342,9 +1339,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self._ensure_last_attempt_time.pop(key, None)
 
     def _drop_idle_ensure_state(self) -> None:
-        """Drop the retry bookkeeping of requests that left the pending list
-        another way (an abort), so a later one starts afresh. Only when there
-        are more entries than pending requests, each of which has at most one."""
+        """Drop the retry bookkeeping of requests that left the pending list another
+        way (an abort): only when there are more entries than pending requests."""
         keys = self._ensure_retry_count.keys() | self._ensure_last_attempt_time.keys()
         if len(keys) <= len(self.pending_reqs):
             return
@@ -1359,10 +1355,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     def _query_prefill_dp_ranks(
         self, bootstrap_addr: str, decode_reqs: List[DecodeRequest], now: float
     ) -> None:
-        """Ask ``bootstrap_addr`` for the dp rank of those rooms that need one,
-        on a background thread. A room is asked at most once per retry
-        interval: a prefill that has not registered it yet would otherwise
-        get a query every cycle."""
+        """Ask ``bootstrap_addr`` for the dp rank of the rooms that need one, off the
+        scheduler thread: each at most once per retry interval, not every cycle."""
         rooms = []
         for decode_req in decode_reqs:
             if self._resolve_prefill_dp_rank(decode_req.req) is not None:
@@ -1383,9 +1377,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self._prefill_dp_rank_queries[bootstrap_addr] = (tuple(rooms), future)
 
     def _take_prefill_dp_ranks(self, bootstrap_addr: str, now: float) -> Dict:
-        """The answer of ``bootstrap_addr``'s dp-rank query once it has landed.
-        Never waits: a query still running is looked at again next cycle, and
-        one running for longer than any answer takes is dropped."""
+        """The answer of ``bootstrap_addr``'s dp-rank query once it has landed; one
+        still running is looked at next cycle, or dropped once past any answer."""
         query = self._prefill_dp_rank_queries.get(bootstrap_addr)
         if query is None:
             return {}
@@ -1463,11 +1456,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         self._prefill_dp_rank_queries.clear()
 
     def _resolve_pending_reqs(self) -> None:
-        """Batch-resolve prefill_dp_ranks for pending requests and initialize receivers.
-
-        Never waits on the network: parallel info and dp ranks are fetched in
-        the background, and a request whose answer has not landed stays
-        pending; receiver.init() sets up the per-rank routes the same way."""
+        """Batch-resolve prefill_dp_ranks for pending requests and initialize receivers."""
+        # Never waits on the network: what has not landed yet stays pending.
         if not self.pending_reqs:
             self._cancel_prefill_dp_rank_queries()
             self._drop_idle_ensure_state()
@@ -2270,13 +2260,15 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     def _prefill_shares(self) -> _PrefillShares:
         transfer_queue = self.transfer_queue
         served = transfer_queue._served or {}
-        held, stalled = {}, {}  # prefill -> [tokens, slots]
+        held, stalled, busy = {}, {}, set()  # prefill -> [tokens, slots]; in transfer
         ended = [entry[0] for entry in transfer_queue._deferred_releases]
         for decode_reqs in (transfer_queue.queue, ended):
             for decode_req in decode_reqs:
                 if _is_fake_transfer(decode_req.req):
                     continue
                 prefill = DecodeTransferQueue._prefill_of(decode_req)
+                if decode_reqs is not ended:
+                    busy.add(prefill)
                 # Ended, or sent it since it last served: it may never serve it.
                 since = decode_req.served_before == served.get(prefill, 0)
                 tables = (held, stalled) if since or decode_reqs is ended else (held,)
@@ -2290,10 +2282,12 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         # Only what 0.5.23 reads: upstream's allocator doubles have no size.
         slots = self.req_to_metadata_buffer_idx_allocator.available_size()
         slots += sum(h[1] for h in held.values())
-        return _PrefillShares(held, stalled, served, self.max_total_num_tokens, slots)
+        tokens = self.max_total_num_tokens
+        return _PrefillShares(held, stalled, served, busy, tokens, slots)
 
     _stalls: Dict = {}  # prefill -> since when it is stalled (this rank's clock)
     _passed: Dict = {}  # prefill -> its serves when a held request last passed
+    _probe = (None, 0)  # the prefill given a request for its fences, its serves
 
     def _held_at_share(self, decode_req, shares, skipped: Set, now: float) -> bool:
         """Held back at its stalled prefill's share to the timeout, or passed once
@@ -2306,15 +2300,21 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             decode_req.served_before != served != self._passed.get(prefill)
         )
         tokens = self._share_tokens(decode_req.req)
-        if prefill not in skipped and not shares.over(prefill, tokens, passes):
+        over = prefill in skipped or shares.over(prefill, tokens, passes)
+        probe, n = self._probe
+        if over and prefill not in skipped | shares.busy and tokens <= shares.tokens:
+            # Only fences, which a prefill never acks if it cannot prove their writes
+            # settled: a request in a share ends them once served (review 16 F1).
+            if probe not in shares.held or shares.served.get(probe, 0) != n:
+                self._probe, over = (prefill, served), False  # one at a time
+        if not over:
             if passes and shares.over(prefill, tokens):  # the pass it needed
                 self._passed[prefill] = served
             self._unhold(decode_req)
             return False
         skipped.add(prefill)
-        if decode_req.held_since is None:
-            decode_req.served_before = served  # its prefill's serves when held
         first, timeout = decode_req.held_since is None, self.kv_manager.waiting_timeout
+        decode_req.served_before = served if first else decode_req.served_before
         stalled = self._stalls.get(prefill, now)  # not a wait for memory before
         decode_req.held_since = max(decode_req.held_since or now, stalled)
         ended = now - decode_req.held_since >= timeout
@@ -3439,8 +3439,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         """Note its prefill's info (replaced once failed) and transfers served."""
         if _is_fake_transfer(decode_req.req):
             return
-        receiver = decode_req.kv_receiver
-        kv = receiver.kv_mgr
+        receiver, kv = decode_req.kv_receiver, decode_req.kv_receiver.kv_mgr
         info = kv.prefill_info_table.get(receiver.bootstrap_addr)
         if not isinstance(info, PrefillServerInfo):
             return  # failed already: it writes no more
