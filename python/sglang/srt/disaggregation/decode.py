@@ -49,7 +49,6 @@ from sglang.srt.disaggregation.common.conn import (
     BOOTSTRAP_QUERY_TIMEOUT_S,
     CommonKVManager,
     CommonKVReceiver,
-    PrefillServerInfo,
     _PeerMetrics,
 )
 from sglang.srt.disaggregation.decode_hicache_mixin import (
@@ -3440,9 +3439,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         if _is_fake_transfer(decode_req.req):
             return
         receiver, kv = decode_req.kv_receiver, decode_req.kv_receiver.kv_mgr
-        info = kv.prefill_info_table.get(receiver.bootstrap_addr)
-        if not isinstance(info, PrefillServerInfo):
-            return  # failed already: it writes no more
+        info = getattr(receiver, "prefill_info", None)  # the process it was sent to
+        if kv.prefill_info_table.get(receiver.bootstrap_addr) is not info or not info:
+            return  # failed already, or restarted: it writes no more
         deferred = kv.enable_deferred_decode_kv_release
         if not (deferred and self.enable_deferred_kv_release or kv.legacy_abort_ack):
             return  # no ACK could end it: released at the deadline

@@ -123,6 +123,7 @@ class FakeReceiver:
         self.prefill = prefill
         self.kv_mgr = rank.kv_manager
         self.bootstrap_addr = prefill.addr
+        self.prefill_info = prefill.info  # set by init() from the table
         self.bootstrap_room = room
         self.bootstrap_infos = [{"rank_ip": "10.9.9.9", "rank_port": 1}]
         self.prefill_dp_rank = 0

@@ -194,6 +194,24 @@ class TestStuckForGood(SimTestCase):
         self.assertEqual([r for r in rooms if r not in self.rank.served], [])
 
 
+    def test_a_restart_fetched_before_the_failures_are_polled_ends_their_fence(self):
+        # Review 16 F4: the heartbeat evicted a restarted prefill and a request
+        # fetched the new process before the cycle that polled the old
+        # requests' failures; their fences named the new process, which never
+        # acks them (the ABORT goes to the old one's port): held until it
+        # served this decode again (0.5.23: the release timeout).
+        for _ in range(3):
+            self.add(STUCK)
+        self.run_for(2)
+        kv, restarted = self.rank.kv_manager, Prefill(STUCK, None, acks=False)
+        self.world.prefills[STUCK] = restarted
+        kv.prefill_info_table[STUCK] = restarted.info
+        for r in self.rank.transfer.queue:
+            kv.record_failure(r.req.bootstrap_room, "lost connection")
+            r.kv_receiver.conclude_state = KVPoll.Failed
+        self.run_for(60)
+        self.assertEqual(self.rank.held_by(STUCK), 0)
+
 class TestManyStuckAtOnce(SimTestCase):
     """However many prefills hang at once, together they hold at most half
     the pool and one request over it: the healthy prefill is served."""
