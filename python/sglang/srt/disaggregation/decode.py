@@ -430,8 +430,8 @@ class _PrefillShares:
     sent since it last served (stalled): at most its share, or more within half
     the pool. From the queues alone: every attention-TP rank decides alike."""
 
-    def __init__(self, held, stalled, served, busy: Set, tokens: int, slots: int):
-        self.held, self.stalled, self.served, self.busy = held, stalled, served, busy
+    def __init__(self, held: Dict, stalled: Dict, served: Dict, tokens, slots):
+        self.held, self.stalled, self.served = held, stalled, served
         # The stalled share half the pool: the healthy keep the other half.
         parts = max(2, len(held), 2 * len(stalled))
         self.tokens, self.slots = tokens // parts, slots // parts
@@ -2259,15 +2259,13 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
     def _prefill_shares(self) -> _PrefillShares:
         transfer_queue = self.transfer_queue
         served = transfer_queue._served or {}
-        held, stalled, busy = {}, {}, set()  # prefill -> [tokens, slots]; in transfer
+        held, stalled = {}, {}  # prefill -> [tokens, slots]
         ended = [entry[0] for entry in transfer_queue._deferred_releases]
         for decode_reqs in (transfer_queue.queue, ended):
             for decode_req in decode_reqs:
                 if _is_fake_transfer(decode_req.req):
                     continue
                 prefill = DecodeTransferQueue._prefill_of(decode_req)
-                if decode_reqs is not ended:
-                    busy.add(prefill)
                 # Ended, or sent it since it last served: it may never serve it.
                 since = decode_req.served_before == served.get(prefill, 0)
                 tables = (held, stalled) if since or decode_reqs is ended else (held,)
@@ -2281,12 +2279,10 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         # Only what 0.5.23 reads: upstream's allocator doubles have no size.
         slots = self.req_to_metadata_buffer_idx_allocator.available_size()
         slots += sum(h[1] for h in held.values())
-        tokens = self.max_total_num_tokens
-        return _PrefillShares(held, stalled, served, busy, tokens, slots)
+        return _PrefillShares(held, stalled, served, self.max_total_num_tokens, slots)
 
     _stalls: Dict = {}  # prefill -> since when it is stalled (this rank's clock)
     _passed: Dict = {}  # prefill -> its serves when a held request last passed
-    _probe = (None, 0)  # the prefill given a request for its fences, its serves
 
     def _held_at_share(self, decode_req, shares, skipped: Set, now: float) -> bool:
         """Held back at its stalled prefill's share to the timeout, or passed once
@@ -2299,14 +2295,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             decode_req.served_before != served != self._passed.get(prefill)
         )
         tokens = self._share_tokens(decode_req.req)
-        over = prefill in skipped or shares.over(prefill, tokens, passes)
-        probe, n = self._probe
-        if over and prefill not in skipped | shares.busy and tokens <= shares.tokens:
-            # Only fences, which a prefill never acks if it cannot prove their writes
-            # settled: a request in a share ends them once served (review 16 F1).
-            if probe not in shares.held or shares.served.get(probe, 0) != n:
-                self._probe, over = (prefill, served), False  # one at a time
-        if not over:
+        if prefill not in skipped and not shares.over(prefill, tokens, passes):
             if passes and shares.over(prefill, tokens):  # the pass it needed
                 self._passed[prefill] = served
             self._unhold(decode_req)

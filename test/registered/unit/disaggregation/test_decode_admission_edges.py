@@ -1123,34 +1123,6 @@ class TestFenceNeverStarves(SimTestCase):
                 self.doCleanups()
 
 
-    def test_one_whose_failed_transfers_are_never_acked_is_not_locked_out(self):
-        # Review 16 F1: a prefill poisons the ACK of a room whose failed send
-        # may still be writing (0.5.23's own Mooncake, NIXL and Mori), so its
-        # fences never end but by a serve, which none of its next requests,
-        # held behind them, could give: 556 of 556 ended (0.5.23: served).
-        rank = self.sim(
-            [Prefill(HEALTHY, 3.0, acks=False)],
-            tokens=8192,
-            slots=64,
-            waiting_timeout=30.0,
-        )
-        for _ in range(6):
-            self.add(HEALTHY, prompt=1000)
-        self.run_for(2)
-        for decode_req in rank.transfer.queue[:3]:  # its sends fail, on its side
-            rank.kv_manager.record_failure(decode_req.req.bootstrap_room, "send -1")
-            decode_req.kv_receiver.conclude_state = KVPoll.Failed
-        later = {}
-
-        def every(t):
-            if abs(t - round(t)) < 1e-9 and t <= 100:
-                later[self.add(HEALTHY, prompt=1000)] = t
-
-        self.run_for(140, every)
-        self.assertEqual([r for r in later if r not in rank.served], [])
-        self.assertEqual(rank.held_by(HEALTHY), 0)
-
-
 class TestPrefillsComingAndGoing(SimTestCase):
     """More prefills than any limit, each sending a few requests and then
     none: what the admission keeps per prefill ends with them."""
