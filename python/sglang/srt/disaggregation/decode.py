@@ -3267,10 +3267,13 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                     and decode_req.kv_receiver.kv_mgr.enable_deferred_decode_kv_release
                 )
                 receiver = decode_req.kv_receiver
-                # With deferred release off too, unless its prefill failed.
+                info = getattr(receiver, "prefill_info", None)  # the process sent to
+                # With deferred release off too, unless it failed (or restarted).
                 fenced = deferrable or (
                     not _is_fake_transfer(decode_req.req)
-                    and receiver.bootstrap_addr in receiver.kv_mgr.prefill_info_table
+                    and info is not None
+                    and receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr)
+                    is info
                 )
                 if fenced and not decode_req.kv_receiver.abort_notified:
                     # A failure decode did not initiate (prefill fault, transport
@@ -3429,7 +3432,8 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
             return
         receiver, kv = decode_req.kv_receiver, decode_req.kv_receiver.kv_mgr
         info = getattr(receiver, "prefill_info", None)  # the process it was sent to
-        if kv.prefill_info_table.get(receiver.bootstrap_addr) is not info or not info:
+        table = kv.prefill_info_table
+        if info is None or table.get(receiver.bootstrap_addr) is not info:
             return  # failed already, or restarted: it writes no more
         deferred = kv.enable_deferred_decode_kv_release
         if not (deferred and self.enable_deferred_kv_release or kv.legacy_abort_ack):

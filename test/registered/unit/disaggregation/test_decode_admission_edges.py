@@ -194,24 +194,6 @@ class TestStuckForGood(SimTestCase):
         self.assertEqual([r for r in rooms if r not in self.rank.served], [])
 
 
-    def test_a_restart_fetched_before_the_failures_are_polled_ends_their_fence(self):
-        # Review 16 F4: the heartbeat evicted a restarted prefill and a request
-        # fetched the new process before the cycle that polled the old
-        # requests' failures; their fences named the new process, which never
-        # acks them (the ABORT goes to the old one's port): held until it
-        # served this decode again (0.5.23: the release timeout).
-        for _ in range(3):
-            self.add(STUCK)
-        self.run_for(2)
-        kv, restarted = self.rank.kv_manager, Prefill(STUCK, None, acks=False)
-        self.world.prefills[STUCK] = restarted
-        kv.prefill_info_table[STUCK] = restarted.info
-        for r in self.rank.transfer.queue:
-            kv.record_failure(r.req.bootstrap_room, "lost connection")
-            r.kv_receiver.conclude_state = KVPoll.Failed
-        self.run_for(60)
-        self.assertEqual(self.rank.held_by(STUCK), 0)
-
 class TestManyStuckAtOnce(SimTestCase):
     """However many prefills hang at once, together they hold at most half
     the pool and one request over it: the healthy prefill is served."""
@@ -825,7 +807,6 @@ class TestHostReceive(SimTestCase):
         fenced = [e[0].req.bootstrap_room for e in rank.transfer._deferred_releases]
         self.assertEqual(fenced, [room])
 
-
     def test_a_hung_prefill_holds_at_most_half_the_metadata_slots(self):
         # Review 13 F1: host-staged requests were left out of the shares, so a
         # hung prefill took all 64 slots and the healthy one was served 31 of
@@ -1120,6 +1101,29 @@ class TestFenceNeverStarves(SimTestCase):
                 self.run_for(60, every)
                 sent = after[:-5]
                 self.assertEqual([r for r in sent if r not in rank.served], [])
+                self.doCleanups()
+
+    def test_a_restart_fetched_before_the_failures_are_polled_ends_their_fence(self):
+        # Review 16 F4: the heartbeat evicted a restarted prefill and a request
+        # fetched the new process before the cycle that polled the old
+        # requests' failures; their fences named the new process, which never
+        # acks them (the ABORT goes to the old one's port): held until it
+        # served this decode again. 0.5.23 frees them at the release timeout,
+        # and at once with deferred release off (review 20 F1: at the timeout).
+        for deferred, freed_after in ((True, 31), (False, DT)):
+            with self.subTest(deferred_release=deferred):
+                rank = self.healthy_and_stuck(deferred_release=deferred)
+                for _ in range(3):
+                    self.add(STUCK)
+                self.run_for(2)
+                kv, restarted = rank.kv_manager, Prefill(STUCK, None, acks=False)
+                self.world.prefills[STUCK] = restarted
+                kv.prefill_info_table[STUCK] = restarted.info
+                for r in rank.transfer.queue:
+                    kv.record_failure(r.req.bootstrap_room, "lost connection")
+                    r.kv_receiver.conclude_state = KVPoll.Failed
+                self.run_for(freed_after)
+                self.assertEqual(rank.held_by(STUCK), 0)
                 self.doCleanups()
 
 
