@@ -3267,13 +3267,10 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
                     and decode_req.kv_receiver.kv_mgr.enable_deferred_decode_kv_release
                 )
                 receiver = decode_req.kv_receiver
-                info = getattr(receiver, "prefill_info", None)  # the process sent to
                 # With deferred release off too, unless it failed (or restarted).
                 fenced = deferrable or (
                     not _is_fake_transfer(decode_req.req)
-                    and info is not None
-                    and receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr)
-                    is info
+                    and DecodeTransferQueue._same_prefill_process(receiver)
                 )
                 if fenced and not decode_req.kv_receiver.abort_notified:
                     # A failure decode did not initiate (prefill fault, transport
@@ -3415,6 +3412,14 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         receiver = decode_req.kv_receiver
         return receiver.bootstrap_addr, receiver.prefill_dp_rank
 
+    @staticmethod
+    def _same_prefill_process(receiver) -> bool:
+        """The table still holds the prefill process it was sent to (init() took
+        its info from there): not failed, nor restarted and fetched again."""
+        info = getattr(receiver, "prefill_info", None)
+        table = receiver.kv_mgr.prefill_info_table
+        return info is not None and table.get(receiver.bootstrap_addr) is info
+
     def _note_served(self, decode_req: DecodeRequest) -> None:
         if _is_fake_transfer(decode_req.req) or decode_req.served_before is None:
             return
@@ -3427,20 +3432,18 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
             metrics.served_at[key[0]] = time.monotonic()
 
     def _fence(self, decode_req: DecodeRequest) -> None:
-        """Note its prefill's info (replaced once failed) and transfers served."""
+        """Note its prefill's transfers served, while that process may write."""
         if _is_fake_transfer(decode_req.req):
             return
-        receiver, kv = decode_req.kv_receiver, decode_req.kv_receiver.kv_mgr
-        info = getattr(receiver, "prefill_info", None)  # the process it was sent to
-        table = kv.prefill_info_table
-        if info is None or table.get(receiver.bootstrap_addr) is not info:
+        if not self._same_prefill_process(decode_req.kv_receiver):
             return  # failed already, or restarted: it writes no more
+        kv = decode_req.kv_receiver.kv_mgr
         deferred = kv.enable_deferred_decode_kv_release
         if not (deferred and self.enable_deferred_kv_release or kv.legacy_abort_ack):
             return  # no ACK could end it: released at the deadline
         self._fences = self._fences or {}
         served = (self._served or {}).get(self._prefill_of(decode_req), 0)
-        self._fences[id(decode_req)] = [info, served, None]
+        self._fences[id(decode_req)] = [served, None]
 
     def _may_still_write(self, decode_req: DecodeRequest, now: float) -> bool:
         """Past the release timeout: its prefill has not acked (or read) the ABORT,
@@ -3448,10 +3451,10 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         fence = self._fences.get(id(decode_req)) if self._fences else None
         if fence is None:
             return False
-        info, served, resend_at = fence
+        served, resend_at = fence
         receiver = decode_req.kv_receiver
         if (
-            receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr) is not info
+            not self._same_prefill_process(receiver)
             or (self._served or {}).get(self._prefill_of(decode_req), 0) != served
             or receiver.kv_mgr.abort_read_by(decode_req.req.bootstrap_room)
             >= len(receiver.bootstrap_infos)
@@ -3466,7 +3469,7 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
             )
         if resend_at is None or now >= resend_at:
             # A prefill that missed the ABORT (hung, restarted) acks this one.
-            fence[2] = now + self.deferred_kv_release_timeout
+            fence[1] = now + self.deferred_kv_release_timeout
             receiver._send_abort_notification(force_arm=True)
         return True
 
