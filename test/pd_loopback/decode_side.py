@@ -295,7 +295,7 @@ class DecodeSide:
 
         queue = self.queue
         shares, skipped, now = None, set(), time.monotonic()
-        patched = hasattr(queue, "_prefill_shares")
+        patched = hasattr(queue, "_cycle_shares")
         if patched:
             queue.transfer_queue.queue = [t.decode_req for t in self.transferring]
             # (decode_req, start, deadline, metadata slot, acks), held past
@@ -311,12 +311,7 @@ class DecodeSide:
             if t is None:
                 continue
             if patched and shares is None:  # once, if one may be admitted
-                shares = queue._prefill_shares()
-                # As pop_preallocated: stalled since when, and the last passes.
-                queue._stalls = {p: queue._stalls.get(p, now) for p in shares.stalled}
-                queue._passed = {
-                    p: n for p, n in queue._passed.items() if p in shares.stalled
-                }
+                shares = queue._cycle_shares(now)
             if patched and queue._held_at_share(decode_req, shares, skipped, now):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)

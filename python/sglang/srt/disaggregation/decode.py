@@ -1653,11 +1653,7 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
                 continue
 
             if shares is None:  # once a cycle, and only if one may be admitted
-                shares = self._prefill_shares()
-                self._stalls = {p: self._stalls.get(p, now) for p in shares.stalled}
-                self._passed = {
-                    p: n for p, n in self._passed.items() if p in shares.stalled
-                }
+                shares = self._cycle_shares(now)
             if shares.stalled and self._held_at_share(decode_req, shares, skipped, now):
                 continue
 
@@ -2281,6 +2277,14 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
         slots += sum(h[1] for h in held.values())
         return _PrefillShares(held, stalled, served, self.max_total_num_tokens, slots)
 
+    def _cycle_shares(self, now: float) -> _PrefillShares:
+        """The shares a cycle admits by: a prefill stalled no longer loses its
+        stall's start and its last pass."""
+        shares = self._prefill_shares()
+        self._stalls = {p: self._stalls.get(p, now) for p in shares.stalled}
+        self._passed = {p: n for p, n in self._passed.items() if p in shares.stalled}
+        return shares
+
     _stalls: Dict = {}  # prefill -> since when it is stalled (this rank's clock)
     _passed: Dict = {}  # prefill -> its serves when a held request last passed
 
@@ -2302,7 +2306,8 @@ class DecodePreallocQueue(DecodeHiCachePreallocMixin):
             return False
         skipped.add(prefill)
         first, timeout = decode_req.held_since is None, self.kv_manager.waiting_timeout
-        decode_req.served_before = served if first else decode_req.served_before
+        if first:
+            decode_req.served_before = served  # its prefill's serves when held
         stalled = self._stalls.get(prefill, now)  # not a wait for memory before
         decode_req.held_since = max(decode_req.held_since or now, stalled)
         ended = now - decode_req.held_since >= timeout
