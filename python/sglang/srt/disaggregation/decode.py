@@ -3422,8 +3422,9 @@ class DecodeTransferQueue(DecodeHiCacheTransferMixin):
         """The table still holds the prefill process it was sent to (init() took
         its info from there): not failed, nor restarted and fetched again."""
         info = getattr(receiver, "prefill_info", None)
-        table = receiver.kv_mgr.prefill_info_table
-        return info is not None and table.get(receiver.bootstrap_addr) is info
+        if info is None:  # never init()ed: nothing was sent (or a test's fake)
+            return False
+        return receiver.kv_mgr.prefill_info_table.get(receiver.bootstrap_addr) is info
 
     def _note_served(self, decode_req: DecodeRequest) -> None:
         if _is_fake_transfer(decode_req.req) or decode_req.served_before is None:

@@ -1175,9 +1175,10 @@ class TestUpstreamShapes(CustomTestCase):
             queue.resolve_deferred_releases()
         self.assertEqual(released, [decode_req])
 
-    def test_a_mock_receiver_is_released_at_the_timeout(self):
-        """Upstream builds requests of MagicMocks: a fence must not hold one
-        forever because a mock's table lookup returns the same mock."""
+    @staticmethod
+    def failed_transfer(receiver, deferred_release=True):
+        """A transfer queue of one request whose transfer failed, on the
+        fakes upstream's tests build, and what it released."""
         released = []
         queue = DecodeTransferQueue.__new__(DecodeTransferQueue)
         queue.queue, queue.gloo_group, queue.tp_rank = [], None, 0
@@ -1186,7 +1187,7 @@ class TestUpstreamShapes(CustomTestCase):
         )
         queue.scheduler.metrics_reporter.enable_metrics = False
         queue.enable_staging = queue.enable_host_receive = False
-        queue.enable_deferred_kv_release = True
+        queue.enable_deferred_kv_release = deferred_release
         queue.deferred_kv_release_timeout = 30.0
         queue._deferred_releases = []
         queue.metadata_buffers = mock.MagicMock()
@@ -1195,30 +1196,69 @@ class TestUpstreamShapes(CustomTestCase):
         queue._release_request = released.append
         queue._do_release = lambda decode_req, idx: released.append(decode_req)
         queue._clean_hicache_prefetch_resources = lambda decode_req: None
+        decode_req = DecodeRequest(
+            req=mock.MagicMock(), kv_receiver=receiver, metadata_buffer_index=3
+        )
+        queue.queue = [decode_req]
+        return queue, decode_req, released
+
+    @staticmethod
+    def patched_collectives(now):
+        clock = SimpleNamespace(monotonic=lambda: now[0], time=lambda: now[0])
+        stack = ExitStack()
+        stack.enter_context(mock.patch.object(decode_mod, "time", clock))
+        stack.enter_context(
+            mock.patch.object(
+                decode_mod, "poll_and_all_reduce", lambda p, g, **k: [KVPoll.Failed]
+            )
+        )
+        stack.enter_context(
+            mock.patch.object(
+                decode_mod, "all_reduce_flags", lambda flags, group, op: flags
+            )
+        )
+        stack.enter_context(
+            mock.patch.object(decode_mod, "prepare_abort", lambda *a, **k: None)
+        )
+        return stack
+
+    def test_a_mock_receiver_is_released_at_the_timeout(self):
+        """Upstream builds requests of MagicMocks: a fence must not hold one
+        forever because a mock's table lookup returns the same mock."""
         receiver = mock.MagicMock()
         receiver.abort_notified = True
         receiver.bootstrap_infos = [{}]
         receiver.kv_mgr.enable_deferred_decode_kv_release = True
         receiver.kv_mgr.is_abort_release_safe.return_value = False
         receiver.failure_exception.side_effect = RuntimeError("failed")
-        decode_req = DecodeRequest(
-            req=mock.MagicMock(), kv_receiver=receiver, metadata_buffer_index=3
-        )
-        queue.queue = [decode_req]
+        queue, decode_req, released = self.failed_transfer(receiver)
         now = [100.0]
-        clock = SimpleNamespace(monotonic=lambda: now[0], time=lambda: now[0])
-        with mock.patch.object(decode_mod, "time", clock), mock.patch.object(
-            decode_mod, "poll_and_all_reduce", lambda p, g, **k: [KVPoll.Failed]
-        ), mock.patch.object(
-            decode_mod, "all_reduce_flags", lambda flags, group, op: flags
-        ), mock.patch.object(
-            decode_mod, "prepare_abort", lambda *a, **k: None
-        ):
+        with self.patched_collectives(now):
             queue.pop_transferred()
             self.assertEqual(released, [])
             now[0] += 31.0
             queue.resolve_deferred_releases()
         self.assertEqual(released, [decode_req])
+
+    def test_deferred_release_off_a_minimal_receiver_is_released_at_once(self):
+        # Review 21 F1: only what 0.5.23 reads of a failed receiver with the
+        # knob off; the hold's check read its kv_mgr's table regardless.
+        def failed():
+            raise RuntimeError("failed")
+
+        for receiver in (
+            SimpleNamespace(failure_exception=failed, clear=lambda: None),
+            mock.MagicMock(spec=CommonKVReceiver),
+        ):
+            with self.subTest(receiver=type(receiver).__name__):
+                receiver.abort_notified = False
+                receiver.failure_exception = failed
+                queue, decode_req, released = self.failed_transfer(
+                    receiver, deferred_release=False
+                )
+                with self.patched_collectives([100.0]):
+                    queue.pop_transferred()
+                self.assertEqual(released, [decode_req])
 
 
 class TestDeferredReleaseOffAsksForTheAck(CustomTestCase):
