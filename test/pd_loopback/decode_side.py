@@ -312,7 +312,8 @@ class DecodeSide:
                 continue
             if patched and shares is None:  # once, if one may be admitted
                 shares = queue._cycle_shares(now)
-            if patched and queue._held_at_share(decode_req, shares, skipped, now):
+            held = patched and shares.stalled  # as pop_preallocated: else none is
+            if held and queue._held_at_share(decode_req, shares, skipped, now):
                 continue
             kv_indices = self.allocator.alloc(t.num_tokens)
             if kv_indices is None or self.metadata_allocator.available_size() <= 0:
